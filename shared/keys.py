@@ -1,0 +1,52 @@
+"""Every Redis key and channel name inferq uses, in one place.
+
+All names start with a configurable namespace (default ``inferq``) so several
+deployments can share one Redis. The TTLs that go with some keys live here too.
+
+| name | type | written by | read by |
+| --- | --- | --- | --- |
+| ``{ns}:{model}:requests`` | stream | gateway (XADD) | workers (XREADGROUP, group ``workers``) |
+| ``{ns}:gateway:{gateway_id}`` | pub/sub channel | workers (token/error messages) | the gateway that owns the requests |
+| ``{ns}:control`` | pub/sub channel | gateways (aborts) | every worker |
+| ``{ns}:worker:{worker_id}`` | string with TTL | worker (heartbeat + status) | gateways, ``inferq queues`` |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Consumer group every worker of a model joins on the model's request stream.
+CONSUMER_GROUP = "workers"
+#: Field of a stream entry that holds the msgpack-encoded request.
+STREAM_FIELD = b"m"
+#: A worker refreshes its heartbeat every ``HEARTBEAT_INTERVAL_S``; the key expires
+#: after ``HEARTBEAT_TTL_S`` so a worker killed with SIGKILL disappears within it.
+HEARTBEAT_INTERVAL_S = 1.0
+HEARTBEAT_TTL_S = 5
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Key and channel names under one namespace."""
+
+    namespace: str = "inferq"
+
+    def requests_stream(self, model: str) -> str:
+        """Stream that holds the requests for ``model``."""
+        return f"{self.namespace}:{model}:requests"
+
+    def gateway_channel(self, gateway_id: str) -> str:
+        """Pub/sub channel on which one gateway receives token and error messages."""
+        return f"{self.namespace}:gateway:{gateway_id}"
+
+    def control_channel(self) -> str:
+        """Pub/sub channel of control messages (aborts) for all workers."""
+        return f"{self.namespace}:control"
+
+    def worker_key(self, worker_id: str) -> str:
+        """Heartbeat key of one worker; its value is an encoded ``WorkerStatus``."""
+        return f"{self.namespace}:worker:{worker_id}"
+
+    def worker_pattern(self) -> str:
+        """SCAN pattern that matches every worker heartbeat key."""
+        return f"{self.namespace}:worker:*"

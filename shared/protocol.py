@@ -1,0 +1,141 @@
+"""The wire protocol: every message that crosses Redis, as typed msgspec structs
+encoded as msgpack. Nothing else in inferq builds Redis payloads.
+
+Messages carry ``v`` (the protocol version); a receiver drops a message whose version
+it does not know, with a log line, rather than guessing. Messages on one channel form a
+tagged union (the ``type`` tag), so one decoder reads them all.
+
+Flow (see docs/protocol.md):
+    gateway --XADD GenerateRequest--> {ns}:{model}:requests --XREADGROUP--> worker
+    worker --PUBLISH TokenMessage | ErrorMessage--> {ns}:gateway:{gateway_id}
+    gateway --PUBLISH AbortMessage--> {ns}:control --> every worker
+    worker --SET WorkerStatus (TTL)--> {ns}:worker:{worker_id}
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+import msgspec
+
+from shared.sampling import SamplingParams
+
+PROTOCOL_VERSION = 1
+
+#: Why a request stopped, in OpenAI terms. ``abort`` never reaches a client as a
+#: finish_reason: the gateway turns it into an error.
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True):
+    """One request (or a continuation of one), as queued on the model's stream.
+
+    ``prompt_token_ids`` are already tokenized by the gateway (the chat template
+    applied). ``attempt`` counts re-enqueues after failover; replies carry it so the
+    gateway can drop messages of older attempts. ``deadline_unix_s`` is wall-clock
+    (seconds since the epoch): a worker that pulls an entry after it drops it with an
+    error instead of running it.
+    """
+
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    reply_channel: str
+    deadline_unix_s: float
+    attempt: int = 0
+    created_unix_s: float = 0.0
+    v: int = PROTOCOL_VERSION
+
+
+class TokenMessage(msgspec.Struct, tag="tokens", kw_only=True):
+    """New output tokens of one request after one engine step.
+
+    ``first_index`` is the position of ``token_ids[0]`` among the request's output
+    tokens (0-based), so a receiver can detect gaps and duplicates. ``finish_reason``
+    is set on the last message of a request. ``num_prompt_tokens`` and
+    ``num_cached_tokens`` (prefix-cache hits, tokens) are set on the first message.
+    """
+
+    request_id: str
+    attempt: int
+    worker_id: str
+    first_index: int
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    v: int = PROTOCOL_VERSION
+
+
+class ErrorMessage(msgspec.Struct, tag="error", kw_only=True):
+    """A request failed on the worker; ``status`` is the HTTP status the gateway
+    answers with (e.g. 504 for an expired deadline, 500 for an engine error)."""
+
+    request_id: str
+    attempt: int
+    worker_id: str
+    status: int
+    message: str
+    v: int = PROTOCOL_VERSION
+
+
+class AbortMessage(msgspec.Struct, tag="abort", kw_only=True):
+    """Stop and free these requests (client gone, stop string matched)."""
+
+    request_ids: list[str]
+    reason: str = ""
+    v: int = PROTOCOL_VERSION
+
+
+class WorkerStatus(msgspec.Struct, tag="status", kw_only=True):
+    """A worker's heartbeat value: who it is and how loaded it is.
+
+    ``kv_usage`` is the fraction of KV-cache blocks in use (0..1);
+    ``num_free_blocks`` and ``block_size`` (tokens) give the same in absolute terms.
+    """
+
+    worker_id: str
+    model: str
+    backend: str
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_free_blocks: int
+    block_size: int
+    max_num_seqs: int
+    updated_unix_s: float
+    started_unix_s: float
+    pid: int
+    v: int = PROTOCOL_VERSION
+
+
+ReplyMessage = Union[TokenMessage, ErrorMessage]
+AnyMessage = Union[GenerateRequest, TokenMessage, ErrorMessage, AbortMessage, WorkerStatus]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder: msgspec.msgpack.Decoder[AnyMessage] = msgspec.msgpack.Decoder(AnyMessage)
+
+
+class ProtocolError(ValueError):
+    """A payload could not be decoded, or has an unknown protocol version."""
+
+
+def encode(message: AnyMessage) -> bytes:
+    """Encode any protocol message as msgpack bytes."""
+    return _encoder.encode(message)
+
+
+def decode(payload: bytes) -> AnyMessage:
+    """Decode msgpack bytes into the message they hold.
+
+    Raises:
+        ProtocolError: malformed payload, unknown message type or protocol version.
+    """
+    try:
+        message = _decoder.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"undecodable message: {exc}") from exc
+    if message.v != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {message.v} (this build speaks {PROTOCOL_VERSION})")
+    return message

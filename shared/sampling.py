@@ -1,0 +1,76 @@
+"""Sampling parameters of one request, shared by the gateway (validation), the wire
+protocol (transport) and the engine (sampling)."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class InvalidParameter(ValueError):
+    """A sampling parameter is out of range; ``param`` names it (OpenAI ``param`` field)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """How to pick each next token and when to stop.
+
+    Semantics follow the OpenAI API and vLLM's ``SamplingParams``: ``temperature == 0``
+    means greedy; ``top_k <= 0`` (or ``-1``) disables top-k; ``top_p == 1`` and
+    ``min_p == 0`` disable nucleus and min-p filtering. ``seed`` makes a sampled request
+    reproducible on its own. ``stop_token_ids`` end the request like EOS does (the
+    stop token is included in the output ids and, like EOS, hidden from the text).
+    Stop *strings* are applied by the gateway, which owns detokenization.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def validate(self) -> None:
+        """Check every field.
+
+        Raises:
+            InvalidParameter: naming the first field that is out of range.
+        """
+        checks: list[tuple[bool, str, str]] = [
+            (self.max_tokens >= 1, "max_tokens", "max_tokens must be at least 1"),
+            (0.0 <= self.temperature <= 2.0, "temperature", "temperature must be in [0, 2]"),
+            (0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]"),
+            (self.top_k == -1 or self.top_k >= 0, "top_k", "top_k must be -1 (off) or >= 0"),
+            (0.0 <= self.min_p <= 1.0, "min_p", "min_p must be in [0, 1]"),
+            (self.min_tokens >= 0, "min_tokens", "min_tokens must be >= 0"),
+            (self.min_tokens <= self.max_tokens, "min_tokens", "min_tokens must be <= max_tokens"),
+            (self.repetition_penalty > 0.0, "repetition_penalty", "repetition_penalty must be > 0"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "presence_penalty must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "frequency_penalty must be in [-2, 2]"),
+            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "stop_token_ids must be >= 0"),
+        ]
+        for ok, param, message in checks:
+            if not ok:
+                raise InvalidParameter(param, message)
+
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is the argmax (temperature 0)."""
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        """True when any repetition, presence or frequency penalty is active."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
