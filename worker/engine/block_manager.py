@@ -1,0 +1,168 @@
+"""Physical KV-cache blocks: allocation, reference counts and prefix caching.
+
+A block holds ``block_size`` consecutive tokens of one sequence. A *full* block is
+identified by a hash of (its parent block's hash, its token ids), so two sequences
+with the same first ``k * block_size`` tokens share those blocks (prefix caching,
+as in vLLM's automatic prefix caching and SGLang's RadixAttention). Freed blocks keep
+their hash and stay findable until they are reused; reuse takes the least recently
+freed block first (LRU). The tail of a freed sequence is freed first, so it is
+evicted before the shared head.
+
+Source: Kwon et al., "Efficient Memory Management for Large Language Model Serving
+with PagedAttention" (SOSP 2023); vLLM v1 ``KVCacheManager``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from worker.engine.request import Request
+
+NO_HASH = -1
+
+
+@dataclass(slots=True)
+class Block:
+    """One physical block. ``hash`` is ``NO_HASH`` until the block is full."""
+
+    block_id: int
+    ref_count: int = 0
+    hash: int = NO_HASH
+
+
+def block_hash(parent_hash: int, token_ids: tuple[int, ...]) -> int:
+    """Hash of a full block given its parent's hash (``NO_HASH`` for the first block)."""
+    return hash((parent_hash, token_ids))
+
+
+class BlockManager:
+    """Owns every KV block: which are free, which are cached, who holds which.
+
+    Invariants: a block is in ``_free`` iff its ``ref_count`` is 0; a hash maps to at
+    most one block in ``_cached``; ``num_free_blocks`` counts cached-but-free blocks
+    as free (they are evictable).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        assert num_blocks > 0 and block_size > 0
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        # Per request: hashes of its full blocks, in order (grows as blocks fill).
+        self._hashes: dict[str, list[int]] = {}
+        self.num_prefix_queries = 0
+        self.num_prefix_hits = 0
+
+    # -- queries -----------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (0..1)."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
+        """Blocks to add so the request can hold ``num_computed_tokens + num_new_tokens``."""
+        total = request.num_computed_tokens + num_new_tokens
+        needed = -(-total // self.block_size)
+        return max(0, needed - len(request.block_table))
+
+    def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
+        return self.blocks_needed(request, num_new_tokens) <= len(self._free)
+
+    # -- prefix caching ----------------------------------------------------------
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Block ids that already hold a prefix of the request's tokens.
+
+        At most ``num_tokens - 1`` tokens are taken from the cache, so at least one
+        token is computed and yields logits.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        found: list[int] = []
+        parent = NO_HASH
+        tokens = request.token_ids
+        for i in range(max_blocks):
+            h = block_hash(parent, tuple(tokens[i * self.block_size:(i + 1) * self.block_size]))
+            block_id = self._cached.get(h)
+            if block_id is None:
+                break
+            found.append(block_id)
+            parent = h
+        self.num_prefix_queries += max_blocks * self.block_size
+        self.num_prefix_hits += len(found) * self.block_size
+        return found
+
+    def allocate_prefix(self, request: Request, block_ids: list[int]) -> None:
+        """Attach cached blocks to a request that holds none and mark them computed."""
+        assert not request.block_table and request.num_computed_tokens == 0
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+        request.block_table = list(block_ids)
+        request.num_computed_tokens = len(block_ids) * self.block_size
+        request.num_cached_tokens = request.num_computed_tokens
+        self._hashes[request.request_id] = [self.blocks[b].hash for b in block_ids]
+
+    # -- allocation --------------------------------------------------------------
+    def allocate(self, request: Request, num_new_tokens: int) -> None:
+        """Grow the request's block table to hold ``num_new_tokens`` more tokens.
+
+        Raises:
+            RuntimeError: not enough free blocks (call ``can_allocate`` first).
+        """
+        needed = self.blocks_needed(request, num_new_tokens)
+        if needed > len(self._free):
+            raise RuntimeError(f"need {needed} blocks, {len(self._free)} free")
+        for _ in range(needed):
+            block_id, _ = self._free.popitem(last=False)  # least recently freed
+            block = self.blocks[block_id]
+            if block.hash != NO_HASH:  # evict the cached content it held
+                if self._cached.get(block.hash) == block_id:
+                    del self._cached[block.hash]
+                block.hash = NO_HASH
+            block.ref_count = 1
+            request.block_table.append(block_id)
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's newly filled blocks (up to ``num_computed_tokens``)."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self._hashes.setdefault(request.request_id, [])
+        num_full = request.num_computed_tokens // self.block_size
+        tokens = request.token_ids
+        for i in range(len(hashes), num_full):
+            parent = hashes[-1] if hashes else NO_HASH
+            h = block_hash(parent, tuple(tokens[i * self.block_size:(i + 1) * self.block_size]))
+            hashes.append(h)
+            block = self.blocks[request.block_table[i]]
+            if block.hash == NO_HASH and h not in self._cached:
+                block.hash = h
+                self._cached[h] = block.block_id
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first, and clear its block table."""
+        for block_id in reversed(request.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                self._free[block_id] = None
+        request.block_table = []
+        self._hashes.pop(request.request_id, None)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash (blocks in use keep their data)."""
+        for block in self.blocks:
+            block.hash = NO_HASH
+        self._cached.clear()
+        self._hashes.clear()

@@ -1,0 +1,162 @@
+"""The engine core: one ``step()`` = schedule, execute, update (vLLM v1's loop)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from shared.model_source import ModelSource
+from shared.protocol import FinishReason
+from shared.sampling import SamplingParams
+from shared.settings import EngineSettings, ModelSettings
+from worker.engine.block_manager import BlockManager
+from worker.engine.model_runner import ModelRunner
+from worker.engine.request import Request
+from worker.engine.scheduler import Scheduler
+from worker.models.config import ModelConfig
+from worker.models.loader import build_model
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class RequestRejected(ValueError):
+    """A request the engine cannot run (too long, duplicate id, bad parameters)."""
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    first_index: int
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot for heartbeats and metrics."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_free_blocks: int
+    num_blocks: int
+    num_preemptions: int
+    prefix_cache_queries: int  # tokens looked up
+    prefix_cache_hits: int  # tokens found
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def num_kv_blocks(cfg: ModelConfig, settings: EngineSettings, dtype: torch.dtype, device: torch.device) -> int:
+    """KV blocks that fit: the explicit count, ``kv_cache_bytes`` on CPU, or on CUDA the
+    part of ``gpu_memory_utilization`` left after weights and a worst-case step's
+    activations (estimated as 24 bytes per hidden unit per batched token plus logits)."""
+    if settings.num_kv_blocks:
+        return settings.num_kv_blocks
+    elem = torch.empty((), dtype=dtype).element_size()
+    block_bytes = cfg.kv_bytes_per_token(elem) * settings.block_size
+    if device.type != "cuda":
+        return max(1, settings.kv_cache_bytes // block_bytes)
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free
+    activations = settings.max_num_batched_tokens * (cfg.hidden_size * 24 + cfg.intermediate_size * 8) \
+        + settings.max_num_seqs * cfg.vocab_size * 8
+    budget = int(total * settings.gpu_memory_utilization) - used - activations
+    if budget < block_bytes:
+        raise RuntimeError(f"no GPU memory left for the KV cache (budget {budget} bytes)")
+    return budget // block_bytes
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model on one device. Not thread-safe: call
+    ``add_request``/``abort``/``step`` from one thread at a time."""
+
+    def __init__(self, source: ModelSource, model_settings: ModelSettings,
+                 engine_settings: EngineSettings | None = None) -> None:
+        self.engine_settings = engine_settings or EngineSettings()
+        self.model_settings = model_settings
+        self.device = resolve_device(model_settings.device)
+        self.dtype = resolve_dtype(model_settings.dtype, self.device)
+        self.model_config = ModelConfig.from_hf(source.config)
+        self.max_model_len = min(model_settings.max_model_len, self.model_config.max_position_embeddings)
+        t0 = time.perf_counter()
+        model = build_model(self.model_config, source.path, source.dummy, self.dtype, self.device,
+                            self.max_model_len, model_settings.seed)
+        num_blocks = num_kv_blocks(self.model_config, self.engine_settings, self.dtype, self.device)
+        self.runner = ModelRunner(model, self.engine_settings, num_blocks, self.dtype, self.device,
+                                  model_settings.seed)
+        self.block_manager = BlockManager(num_blocks, self.engine_settings.block_size,
+                                          self.engine_settings.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, self.engine_settings.max_num_seqs,
+                                   self.engine_settings.max_num_batched_tokens)
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        log.info("engine ready in %.1f s: %s, max_model_len %d", time.perf_counter() - t0,
+                 source.name, self.max_model_len)
+
+    # -- requests ---------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        """Queue a request.
+
+        Raises:
+            RequestRejected: empty or too long prompt, bad parameters, duplicate id.
+        """
+        if not prompt_token_ids:
+            raise RequestRejected("empty prompt")
+        if len(prompt_token_ids) + sampling.max_tokens > self.max_model_len:
+            raise RequestRejected(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) "
+                                  f"exceeds max_model_len {self.max_model_len}")
+        if max(prompt_token_ids) >= self.model_config.vocab_size or min(prompt_token_ids) < 0:
+            raise RequestRejected("prompt token id out of the vocabulary")
+        try:
+            sampling.validate()
+            self.scheduler.add(Request(request_id, list(prompt_token_ids), sampling, self.eos_token_ids))
+        except ValueError as exc:
+            raise RequestRejected(str(exc)) from exc
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a request now and free its blocks; returns False if it is unknown."""
+        request = self.scheduler.abort(request_id)
+        if request is not None:
+            self.runner.sampler.free(request_id)
+        return request is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # -- the loop ------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one forward pass; return the new tokens of every request that got one."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        sampled = self.runner.execute(out.scheduled)
+        results, finished = self.scheduler.update(out, sampled)
+        for request in finished:
+            self.runner.sampler.free(request.request_id)
+        return [RequestOutput(r.request.request_id, r.new_token_ids, r.first_index, r.request.finish_reason,
+                              r.request.num_prompt_tokens, r.request.num_cached_tokens) for r in results]
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage,
+                           bm.num_free_blocks, bm.num_blocks, self.scheduler.num_preemptions,
+                           bm.num_prefix_queries, bm.num_prefix_hits)

@@ -1,0 +1,92 @@
+"""The state of one request inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from shared.protocol import FinishReason
+from shared.sampling import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is. Finished states are the ones ``>= FINISHED_STOPPED``."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+#: The one map from a finished status to the OpenAI ``finish_reason``.
+FINISH_REASONS: dict[RequestStatus, FinishReason] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """A prompt and what has been generated for it.
+
+    ``token_ids`` is prompt + output. ``num_computed_tokens`` counts the tokens whose
+    KV is in the cache; it catches up with ``len(token_ids)`` one chunk at a time, so
+    prefill, chunked prefill, prefix-cache hits, decode and recompute after preemption
+    are one path (vLLM v1). ``block_table`` lists the physical KV blocks in order.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_s: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return FINISH_REASONS.get(self.status)
+
+    def append_token(self, token_id: int) -> None:
+        """Add one sampled token and set a finished status if it ends the request."""
+        self.token_ids.append(token_id)
+        params = self.sampling
+        num_out = self.num_output_tokens
+        if num_out >= params.min_tokens:
+            if (not params.ignore_eos and token_id in self.eos_token_ids) or token_id in params.stop_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return
+        if num_out >= params.max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH

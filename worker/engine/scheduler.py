@@ -1,0 +1,190 @@
+"""Continuous batching under a token budget (vLLM v1 style, no prefill/decode phases).
+
+Each step the scheduler hands out ``{request: num_scheduled_tokens}``: running
+requests first (one decode token each, or the next chunk of an unfinished prefill),
+then waiting requests (their uncached prompt, chunked to fit), while the total stays
+within ``max_num_batched_tokens`` and the running set within ``max_num_seqs``. When
+the KV cache cannot hold a running request's next tokens, the most recently admitted
+running request is preempted: its blocks are freed and it goes back to the head of the
+waiting queue, to be recomputed later (preemption by recompute, vLLM's default).
+
+The scheduler imports no torch and no redis: tests drive it with hand-made outputs.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from worker.engine.block_manager import BlockManager
+from worker.engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request in a step and how many of its tokens the step computes."""
+
+    request: Request
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the request's tokens, so the step
+        samples its next token (partial prefill chunks do not)."""
+        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What one step computes. ``scheduled`` keeps running requests before new ones."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class StepResult:
+    """New tokens of one request after a step, for the engine's caller."""
+
+    request: Request
+    new_token_ids: list[int]
+    first_index: int  # index of new_token_ids[0] among the request's output tokens
+
+
+class Scheduler:
+    """Decides each step's batch; owns the block manager and the request queues."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- queue management ---------------------------------------------------------
+    def add(self, request: Request) -> None:
+        """Queue a new request.
+
+        Raises:
+            ValueError: duplicate request id.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finish a request as aborted and free its blocks; unknown ids are ignored."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+        self._finish(request)
+        return request
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # -- one step -----------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts, allocating their blocks."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+        bm = self.block_manager
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not bm.can_allocate(request, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                bm.allocate(request, num_new)
+                out.scheduled.append(ScheduledRequest(request, num_new))
+                scheduled_ids.add(request.request_id)
+                budget -= num_new
+                i += 1
+                continue
+            break  # the request itself was preempted; everything after it too
+
+        # Admit waiting requests only when nothing was preempted this step: a cache
+        # that just ran out would thrash otherwise.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            request = self.waiting[0]
+            if not request.block_table:
+                bm.allocate_prefix(request, bm.find_cached_prefix(request))
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not bm.can_allocate(request, num_new):
+                if not self.running and request.num_computed_tokens == 0 and bm.num_free_blocks == bm.num_blocks:
+                    raise RuntimeError(f"request {request.request_id} needs more KV blocks than exist")
+                break
+            bm.allocate(request, num_new)
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: list[int | None]) -> tuple[list[StepResult], list[Request]]:
+        """Apply a step's results.
+
+        Args:
+            out: the step's ``SchedulerOutput``.
+            sampled: one entry per ``out.scheduled``: the sampled token id, or ``None``
+                for a partial prefill chunk.
+
+        Returns:
+            ``(results, finished)``: new tokens per request that got one, and the
+            requests that finished this step (their blocks already freed).
+        """
+        results: list[StepResult] = []
+        finished: list[Request] = []
+        for item, token in zip(out.scheduled, sampled, strict=True):
+            request = item.request
+            request.num_computed_tokens += item.num_tokens
+            self.block_manager.cache_full_blocks(request)
+            if token is None:
+                continue
+            first_index = request.num_output_tokens
+            request.append_token(token)
+            results.append(StepResult(request, [token], first_index))
+            if request.status.finished:
+                self.running.remove(request)
+                self._finish(request)
+                finished.append(request)
+        return results, finished
+
+    # -- internals ----------------------------------------------------------------
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def _finish(self, request: Request) -> None:
+        self.block_manager.free(request)
+        del self.requests[request.request_id]

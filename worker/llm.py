@@ -1,0 +1,95 @@
+"""Offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))`` drives the
+engine directly, without Redis. Tests and engine benchmarks use it."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.model_source import resolve_model
+from shared.protocol import FinishReason
+from shared.sampling import SamplingParams
+from shared.settings import DEFAULT_MODEL, EngineSettings, ModelSettings
+from worker.engine.engine import LLMEngine
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One finished request: its prompt ids, output ids, text (when a tokenizer is
+    available) and why it stopped."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    num_cached_tokens: int = 0
+
+
+class LLM:
+    """Load a model and generate for a list of prompts in continuous batches.
+
+    Keyword arguments are fields of ``ModelSettings`` or ``EngineSettings``, e.g.
+    ``LLM(model="SmolLM2-135M-Instruct", num_kv_blocks=64, max_num_seqs=8)``.
+
+    Raises:
+        TypeError: an unknown keyword.
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
+        model_fields = set(ModelSettings.__dataclass_fields__)
+        engine_fields = set(EngineSettings.__dataclass_fields__)
+        unknown = set(kwargs) - model_fields - engine_fields
+        if unknown:
+            raise TypeError(f"unknown settings: {sorted(unknown)}")
+        self.model_settings = ModelSettings(model=model, **{k: v for k, v in kwargs.items() if k in model_fields})
+        self.engine_settings = EngineSettings(**{k: v for k, v in kwargs.items() if k in engine_fields})
+        self.source = resolve_model(model, self.model_settings.load_format, self.model_settings.model_cache_dir)
+        self.engine = LLMEngine(self.source, self.model_settings, self.engine_settings)
+        self.tokenizer = None
+        if self.source.has_tokenizer:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(str(self.source.path))
+        self._ids = itertools.count()
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a prompt (ids pass through).
+
+        Raises:
+            ValueError: a text prompt and no tokenizer.
+        """
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass token ids")
+            return list(self.tokenizer.encode(prompt))
+        return list(prompt)
+
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[CompletionOutput]:
+        """Generate for every prompt; outputs come back in prompt order."""
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) \
+            else list(sampling_params)
+        outputs: dict[str, CompletionOutput] = {}
+        order: list[str] = []
+        for prompt, p in zip(prompts, params, strict=True):
+            rid = f"offline-{next(self._ids)}"
+            ids = self.encode(prompt)
+            self.engine.add_request(rid, ids, p)
+            outputs[rid] = CompletionOutput(ids)
+            order.append(rid)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                result = outputs[out.request_id]
+                assert out.first_index == len(result.token_ids), "token gap or duplicate"
+                result.token_ids.extend(out.new_token_ids)
+                result.num_cached_tokens = out.num_cached_tokens
+                if out.finish_reason is not None:
+                    result.finish_reason = out.finish_reason
+        if self.tokenizer is not None:
+            for result in outputs.values():
+                result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        return [outputs[rid] for rid in order]
