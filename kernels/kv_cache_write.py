@@ -45,3 +45,78 @@ def kv_cache_write_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
         slots, key, value = slots[valid], key[valid], value[valid]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
+
+
+# --------------------------------------------------------------------------------------
+# Triton implementation (CUDA): one program per token copies all its KV heads.
+# --------------------------------------------------------------------------------------
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the wrapper falls back to the reference.
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _kv_cache_write_kernel(
+        key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+        stride_kt, stride_kh, stride_vt, stride_vh,
+        stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+        NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    ):
+        tok = tl.program_id(0)
+        slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
+        if slot < 0:  # padding token (CUDA-graph bucket): leave the cache alone
+            return
+        blk = slot // BLOCK_SIZE
+        off = slot % BLOCK_SIZE
+        idx = tl.arange(0, BLOCK)
+        h = idx // HEAD_DIM
+        d = idx % HEAD_DIM
+        mask = idx < NUM_KV_HEADS * HEAD_DIM
+        t64 = tok.to(tl.int64)
+        k = tl.load(key_ptr + t64 * stride_kt + h * stride_kh + d, mask=mask)
+        v = tl.load(value_ptr + t64 * stride_vt + h * stride_vh + d, mask=mask)
+        tl.store(k_cache_ptr + blk * stride_kcb + off * stride_kcs + h * stride_kch + d, k, mask=mask)
+        tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vcs + h * stride_vch + d, v, mask=mask)
+
+
+def kv_cache_write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write ``key``/``value`` into the caches at ``slot_mapping`` (slot -1 skipped).
+
+    Triton on CUDA (one launch, no host sync, CUDA-graph safe); the reference elsewhere.
+    Same arguments as ``kv_cache_write_ref``; key and value may be strided views (e.g.
+    slices of a fused QKV output) as long as head_dim is contiguous.
+
+    Raises:
+        ValueError: shapes, dtypes or strides do not match.
+    """
+    check_kv_write_args(key, value, k_cache, v_cache, slot_mapping)
+    if triton is None or not key.is_cuda:
+        kv_cache_write_ref(key, value, k_cache, v_cache, slot_mapping)
+        return
+    _kv_cache_write_triton(key, value, k_cache, v_cache, slot_mapping)
+
+
+def _kv_cache_write_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in head_dim, strides {t.stride()}")
+    if not slot_mapping.is_contiguous():
+        raise ValueError("slot_mapping must be contiguous")
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    block = triton.next_power_of_2(num_kv_heads * head_dim)
+    _kv_cache_write_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK=block, BLOCK_SIZE=k_cache.shape[1],
+        num_warps=4 if block <= 1024 else 8,
+    )

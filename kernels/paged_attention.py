@@ -129,3 +129,296 @@ def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     o = F.scaled_dot_product_attention(qb, k.transpose(1, 2), v.transpose(1, 2),
                                        attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa)
     out.index_copy_(0, tok, o.squeeze(2))
+
+
+# --------------------------------------------------------------------------------------
+# Triton implementation (CUDA). One launch serves a mixed batch of prefill chunks and
+# decode tokens; a second, tiny launch reduces split-KV partials when the batch is
+# pure decode and too small to fill the GPU (flash-decoding).
+# --------------------------------------------------------------------------------------
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the wrapper falls back to the reference.
+    triton = None
+
+_LOG2E = 1.4426950408889634
+_MIN_KEYS_PER_SPLIT = 128  # below this a split's fixed cost outweighs the parallelism.
+_MAX_SPLITS = 64
+
+if triton is not None:
+
+    @triton.jit
+    def _find_seq_idx(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q: tl.constexpr):
+        """Largest ``b`` with ``query_start_loc[b] // BLOCK_Q + b <= q_block_id``.
+
+        Sequence ``b`` owns q-blocks ``[qsl[b] // BLOCK_Q + b, qsl[b+1] // BLOCK_Q + b + 1)``,
+        at least ``cdiv(query_len_b, BLOCK_Q)`` of them, so the grid needs no host data.
+        """
+        lo = tl.full([], 0, tl.int32)
+        hi = tl.full([], 0, tl.int32) + num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            start = tl.load(query_start_loc_ptr + mid).to(tl.int32) // BLOCK_Q + mid
+            if start <= q_block_id:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo - 1
+
+    @triton.jit
+    def _paged_attn_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+        part_out_ptr, part_m_ptr, part_l_ptr,
+        block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+        qk_scale, num_seqs, num_heads,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        stride_bt_s, stride_bt_b,
+        QPK: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+        TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        SEQ_FILTER: tl.constexpr,
+    ):
+        # Program = (q-block of BLOCK_Q tokens x all QPK query heads of one KV head, split).
+        # Row m of the tile is token m // QPK, query head kv_head * QPK + m % QPK (GQA
+        # packing), so every KV tile is read once for all heads that share it.
+        # SEQ_FILTER: 0 = every sequence; 1 = only query_len > 1; 2 = only query_len == 1,
+        # one program per sequence (grid dim 0 = num_seqs, BLOCK_Q = 1).
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        if SEQ_FILTER == 2:
+            seq_idx = tl.program_id(0)
+            q_block_local = 0
+        else:
+            q_block_id = tl.program_id(0)
+            seq_idx = _find_seq_idx(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q)
+        q_start = tl.load(query_start_loc_ptr + seq_idx).to(tl.int32)
+        q_len = tl.load(query_start_loc_ptr + seq_idx + 1).to(tl.int32) - q_start
+        if SEQ_FILTER != 2:
+            q_block_local = q_block_id - (q_start // BLOCK_Q + seq_idx)
+        if q_block_local * BLOCK_Q >= q_len:  # spare grid slot, or a padded sequence
+            return
+        if SEQ_FILTER == 1 and q_len == 1:  # left to the decode launch
+            return
+        if SEQ_FILTER == 2 and q_len != 1:  # left to the prefill launch
+            return
+        seq_len = tl.load(seq_lens_ptr + seq_idx).to(tl.int32)
+        context_len = seq_len - q_len
+
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM_P)
+        offs_n = tl.arange(0, TILE)
+        q_pos = q_block_local * BLOCK_Q + offs_m // QPK  # position within this chunk
+        head = kv_head * QPK + offs_m % QPK
+        row_valid = (offs_m < BLOCK_Q * QPK) & (q_pos < q_len)
+        d_valid = offs_d < HEAD_DIM
+        tok = (q_start + q_pos).to(tl.int64)
+        q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+
+        q_abs = context_len + q_pos  # absolute position: sees keys 0..q_abs (causal)
+        num_keys = context_len + tl.minimum((q_block_local + 1) * BLOCK_Q, q_len)
+        num_tiles = tl.cdiv(num_keys, TILE)
+        tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+        tile_lo = split * tiles_per_split
+        tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
+        bt_row = block_tables_ptr + seq_idx.to(tl.int64) * stride_bt_s
+        kh_off_k = kv_head.to(tl.int64) * stride_kh
+        kh_off_v = kv_head.to(tl.int64) * stride_vh
+        for t in range(tile_lo, tile_hi):
+            key = t * TILE + offs_n
+            key_valid = key < num_keys
+            # Gather: each key's physical block (int64: a cache can exceed 2**31 elements).
+            phys = tl.load(bt_row + (key // BLOCK_SIZE) * stride_bt_b, mask=key_valid, other=0).to(tl.int64)
+            in_block = (key % BLOCK_SIZE).to(tl.int64)
+            kv_mask = key_valid[:, None] & d_valid[None, :]
+            k = tl.load(k_cache_ptr + (phys * stride_kb + in_block * stride_ks + kh_off_k)[:, None] + offs_d[None, :],
+                        mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            s = tl.where((key[None, :] <= q_abs[:, None]) & key_valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked row
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_cache_ptr + (phys * stride_vb + in_block * stride_vs + kh_off_v)[:, None] + offs_d[None, :],
+                        mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        if NUM_SPLITS == 1:
+            o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
+        else:
+            # Partials [num_tokens, num_heads, NUM_SPLITS(, HEAD_DIM_P)], m in log2 units.
+            part = (tok * num_heads + head) * NUM_SPLITS + split
+            tl.store(part_m_ptr + part, m_i, mask=row_valid)
+            tl.store(part_l_ptr + part, l_i, mask=row_valid)
+            tl.store(part_out_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :], acc, mask=row_valid[:, None])
+
+    @triton.jit
+    def _reduce_splits_kernel(
+        out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, query_start_loc_ptr,
+        num_seqs, num_heads, stride_ot, stride_oh,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
+    ):
+        tok = tl.program_id(0)
+        head = tl.program_id(1)
+        # Rows past the last sequence's queries are padding: no partials, write nothing.
+        if tok >= tl.load(query_start_loc_ptr + num_seqs).to(tl.int32):
+            return
+        offs_s = tl.arange(0, SPLITS_P)
+        offs_d = tl.arange(0, HEAD_DIM_P)
+        s_valid = offs_s < NUM_SPLITS
+        base = (tok.to(tl.int64) * num_heads + head) * NUM_SPLITS + offs_s
+        m = tl.load(part_m_ptr + base, mask=s_valid, other=float("-inf"))
+        l = tl.load(part_l_ptr + base, mask=s_valid, other=0.0)
+        m_max = tl.max(m, 0)
+        w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty split -> 0
+        l_tot = tl.sum(w * l, 0)
+        acc = tl.load(part_out_ptr + base[:, None] * HEAD_DIM_P + offs_d[None, :], mask=s_valid[:, None], other=0.0)
+        o = tl.sum(acc * w[:, None], 0) / tl.where(l_tot == 0.0, 1.0, l_tot)
+        tl.store(out_ptr + tok.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
+                 o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _attention_config(dtype: torch.dtype, qpk: int, num_seqs: int, num_kv_heads: int,
+                      max_query_len: int, max_seq_len: int, num_sms: int) -> dict[str, int]:
+    """Tile sizes and split count from shapes and the caller's Python ints only.
+
+    Correctness never depends on ``max_query_len``/``max_seq_len``: they pick tiles and
+    splits, and the kernel masks by the real lengths it reads on the device.
+    """
+    tile = 32 if dtype == torch.float32 else 64
+    if max_query_len <= 1:
+        block_m, num_warps = max(16, _next_pow2(qpk)), 4
+        block_q = 1
+        # Flash-decoding: split each sequence's keys so that small batches fill the GPU.
+        work = max(num_seqs * num_kv_heads, 1)
+        splits = min(-(-2 * num_sms // work), -(-max_seq_len // _MIN_KEYS_PER_SPLIT), _MAX_SPLITS)
+        splits = max(splits, 1)
+    else:
+        big = dtype != torch.float32 and max_query_len * qpk >= 512
+        block_m, num_warps = (128, 8) if big else (64, 4)
+        block_m = max(block_m, _next_pow2(qpk))
+        block_q = block_m // qpk
+        splits = 1
+    return {"BLOCK_M": block_m, "BLOCK_Q": block_q, "TILE": tile, "NUM_SPLITS": splits,
+            "num_warps": num_warps, "num_stages": 2}
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # interpreter runs on CPU: any number will do
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                    *, max_query_len: int, max_seq_len: int) -> torch.Tensor:
+    """Causal varlen attention over the paged cache: Triton on CUDA, the reference elsewhere.
+
+    Same semantics, shapes and dtypes as ``paged_attention_ref``; prefill chunks (with or
+    without cached context) and decode tokens mix freely in one call. CUDA-graph safe: no
+    host syncs, and the grid and workspace depend only on tensor shapes and the two ints.
+
+    Args:
+        max_query_len: an upper bound on every ``query_len_b`` (1 for a pure decode batch,
+            which enables split-KV); picks tile sizes only.
+        max_seq_len: an upper bound on every ``seq_lens[b]`` (for a captured graph, the
+            largest it will see); picks the split count only.
+
+    Padding sequences (``query_len 0``, ``seq_len 0``) and rows of ``q`` past
+    ``query_start_loc[-1]`` are left unwritten. ``block_tables`` entries past a sequence's
+    last block are never read.
+
+    Raises:
+        ValueError: shapes, dtypes or strides do not match.
+    """
+    check_attention_args(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
+    if out is None:
+        out = torch.empty_like(q)
+    if triton is None or not q.is_cuda:
+        return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out)
+    return _paged_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out,
+                                   max_query_len, max_seq_len)
+
+
+def _paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                            seq_lens: torch.Tensor, scale: float, out: torch.Tensor,
+                            max_query_len: int, max_seq_len: int) -> torch.Tensor:
+    if out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
+    for name, t in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in head_dim, strides {t.stride()}")
+    if not (query_start_loc.is_contiguous() and seq_lens.is_contiguous()):
+        raise ValueError("query_start_loc and seq_lens must be contiguous")
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = seq_lens.shape[0]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    qpk = num_heads // num_kv_heads
+    cfg = _attention_config(q.dtype, qpk, num_seqs, num_kv_heads, max_query_len, max_seq_len, _num_sms(q.device))
+    splits = cfg["NUM_SPLITS"]
+    head_dim_p = max(16, _next_pow2(head_dim))
+    if splits > 1:  # shape-only allocations: fine under CUDA-graph capture (graph pool)
+        part_out = torch.empty(num_tokens, num_heads, splits, head_dim_p, dtype=torch.float32, device=q.device)
+        part_m = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_out = part_m = part_l = out  # unused
+    # A mixed batch (max_query_len > 1, several sequences) runs as two launches so that
+    # decode tokens get small q-tiles instead of wasting a prefill-sized one each: launch
+    # A takes sequences with query_len > 1, launch B those with query_len == 1. Every
+    # sequence lands in exactly one of them whatever the hints say.
+    mixed = max_query_len > 1 and num_seqs > 1
+    args = (q, k_cache, v_cache, out, part_out, part_m, part_l,
+            block_tables, query_start_loc, seq_lens,
+            scale * _LOG2E, num_seqs, num_heads,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            block_tables.stride(0), block_tables.stride(1))
+    common = {"QPK": qpk, "HEAD_DIM": head_dim, "HEAD_DIM_P": head_dim_p, "BLOCK_SIZE": block_size,
+              "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32"}
+    grid = (num_tokens // cfg["BLOCK_Q"] + num_seqs, num_kv_heads, splits)
+    _paged_attn_kernel[grid](
+        *args, **common, BLOCK_M=cfg["BLOCK_M"], BLOCK_Q=cfg["BLOCK_Q"], TILE=cfg["TILE"], NUM_SPLITS=splits,
+        SEQ_FILTER=1 if mixed else 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if mixed:
+        dec = _attention_config(q.dtype, qpk, num_seqs, num_kv_heads, 1, max_seq_len, _num_sms(q.device))
+        _paged_attn_kernel[(num_seqs, num_kv_heads, 1)](
+            *args, **common, BLOCK_M=dec["BLOCK_M"], BLOCK_Q=1, TILE=dec["TILE"], NUM_SPLITS=1,
+            SEQ_FILTER=2, num_warps=dec["num_warps"], num_stages=dec["num_stages"],
+        )
+    if splits > 1:
+        _reduce_splits_kernel[(num_tokens, num_heads)](
+            out, part_out, part_m, part_l, query_start_loc, num_seqs, num_heads,
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, NUM_SPLITS=splits, SPLITS_P=_next_pow2(splits),
+            num_warps=4,
+        )
+    return out

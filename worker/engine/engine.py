@@ -142,6 +142,17 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def num_admittable(self) -> int:
+        """How many new requests the worker may pull now: free sequence slots, as long
+        as the free KV blocks cover what the queued requests still need plus one block
+        of growth per running request (0 otherwise). Pulling no more than this keeps
+        unstarted work in Redis, where another worker can take it."""
+        sched, bm = self.scheduler, self.block_manager
+        slots = sched.max_num_seqs - len(sched.running) - len(sched.waiting)
+        bs = bm.block_size
+        reserved = sum(-(-(r.num_tokens - r.num_computed_tokens) // bs) for r in sched.waiting) + len(sched.running)
+        return max(0, slots) if bm.num_free_blocks > reserved else 0
+
     # -- the loop ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one forward pass; return the new tokens of every request that got one."""

@@ -1,0 +1,121 @@
+"""Run one benchmark: build prompts, send them on the arrival schedule, and collect the result.
+
+Requests leave at their arrival times whatever the concurrency; ``max_concurrency`` then holds
+each one at a semaphore before it is sent (as ``vllm bench serve`` does), so with a cap the
+offered rate can exceed what is sent. TTFT therefore excludes time spent waiting for the cap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from bench.loadgen.arrivals import arrival_offsets_s
+from bench.loadgen.client import RequestOutput, build_payload, first_model_id, send_request
+from bench.loadgen.config import CHAT_ENDPOINT, BenchConfig
+from bench.loadgen.dataset import SampleRequest, Tokenizer, sample_random_requests
+from bench.loadgen.metrics import compute_metrics
+from bench.loadgen.report import BenchResult, now_date
+
+__all__ = ["BenchResult", "run_benchmark"]
+
+
+def load_tokenizer(name_or_path: str) -> Any:
+    """Hugging Face tokenizer from a folder or hub id (imported lazily: transformers is slow to load)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name_or_path)
+
+
+def build_requests(cfg: BenchConfig, tokenizer: Tokenizer | None = None) -> list[SampleRequest]:
+    """The run's random prompts: text with a tokenizer (given, or loaded from ``cfg.tokenizer``), ids without.
+
+    Raises ``ValueError`` for the chat endpoint without a tokenizer (chat messages must be text).
+    """
+    if tokenizer is None and cfg.tokenizer:
+        tokenizer = load_tokenizer(cfg.tokenizer)
+    if tokenizer is None and cfg.endpoint == CHAT_ENDPOINT:
+        raise ValueError("the chat endpoint needs a tokenizer (--tokenizer) to build text prompts")
+    return sample_random_requests(
+        num_prompts=cfg.num_prompts,
+        input_len=cfg.random_input_len,
+        output_len=cfg.random_output_len,
+        range_ratio=cfg.random_range_ratio,
+        seed=cfg.seed,
+        tokenizer=tokenizer,
+        token_id_low=cfg.random_token_id_low,
+        token_id_high=cfg.random_token_id_high,
+    )
+
+
+@contextlib.contextmanager
+def progress_bar(enabled: bool, total: int) -> Iterator[Any]:
+    """Yields ``advance()``: a rich progress bar when ``enabled``, else a no-op."""
+    if not enabled:
+        yield lambda: None
+        return
+    columns = (TextColumn("requests"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns) as progress:
+        task_id = progress.add_task("requests", total=total)
+        yield lambda: progress.advance(task_id)
+
+
+async def run_benchmark(cfg: BenchConfig, *, tokenizer: Tokenizer | None = None) -> BenchResult:
+    """Drive ``cfg.url`` with ``cfg.num_prompts`` streaming requests and return the measured result.
+
+    ``tokenizer`` (optional) is an already loaded tokenizer to build prompts with instead of
+    loading ``cfg.tokenizer``, e.g. to reuse one across a sweep. Raises ``ValueError`` as
+    ``build_requests`` does, and ``httpx.HTTPError``/``RuntimeError`` only when ``cfg.model`` is None and the model
+    list cannot be read; request failures are recorded per request, not raised.
+    """
+    if tokenizer is None and not cfg.tokenizer and cfg.endpoint == CHAT_ENDPOINT:
+        raise ValueError("the chat endpoint needs a tokenizer (--tokenizer) to build text prompts")
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    # trust_env=False: an HTTP(S)_PROXY meant for the internet must not sit between us and the server.
+    limits = httpx.Limits(max_connections=cfg.max_concurrency, max_keepalive_connections=cfg.max_concurrency)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s), limits=limits, trust_env=False) as client:
+        model = cfg.model or await first_model_id(client, cfg.base_url, headers)
+        requests = await asyncio.to_thread(build_requests, cfg, tokenizer)
+        offsets_s = arrival_offsets_s(len(requests), cfg.request_rate_per_s, cfg.burstiness, cfg.seed)
+        semaphore = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+
+        with progress_bar(cfg.show_progress, len(requests)) as advance:
+
+            async def one(request: SampleRequest) -> RequestOutput:
+                payload = build_payload(cfg.endpoint, model, request, cfg.ignore_eos)
+                async with semaphore or contextlib.nullcontext():
+                    out = await send_request(client, cfg.url, payload, request.prompt_len, headers)
+                advance()
+                return out
+
+            start_s = time.perf_counter()
+            tasks = []
+            for request, offset_s in zip(requests, offsets_s.tolist(), strict=True):
+                delay_s = start_s + offset_s - time.perf_counter()
+                if delay_s > 0:
+                    await asyncio.sleep(delay_s)
+                tasks.append(asyncio.create_task(one(request)))
+            outputs = list(await asyncio.gather(*tasks))
+            duration_s = time.perf_counter() - start_s
+
+    metrics = compute_metrics(outputs, duration_s, cfg.percentiles, cfg.goodput_slos_ms)
+    return BenchResult(
+        date=now_date(),
+        endpoint_type=cfg.endpoint_type,
+        label=cfg.label,
+        model_id=model,
+        tokenizer_id=cfg.tokenizer or getattr(tokenizer, "name_or_path", None) or model,
+        num_prompts=cfg.num_prompts,
+        request_rate_per_s=cfg.request_rate_per_s,
+        burstiness=cfg.burstiness,
+        max_concurrency=cfg.max_concurrency,
+        percentiles=cfg.percentiles,
+        metrics=metrics,
+        outputs=outputs,
+    )

@@ -1,0 +1,131 @@
+"""The gateway app factory and its runner (the CLI calls ``run``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import redis.asyncio as aioredis
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from gateway.errors import OpenAIError, install_error_handlers
+from gateway.handlers import check_auth, handle_generate
+from gateway.metrics import GatewayMetrics
+from gateway.relay import Relay
+from gateway.state import GatewayState
+from gateway.tasks import BackgroundTasks
+from gateway.tokenize import TokenizerWorker
+from shared.keys import Keys
+from shared.model_source import ModelSource
+from shared.settings import GatewaySettings, ModelSettings, RedisSettings
+
+log = logging.getLogger(__name__)
+
+#: Redis connect timeout, s: a Redis that does not answer turns into a 503 this fast.
+REDIS_CONNECT_TIMEOUT_S = 2.0
+#: How long ``/health`` waits for PING, s.
+HEALTH_TIMEOUT_S = 2.0
+
+
+def load_tokenizer(source: ModelSource) -> Any:
+    """The model's Hugging Face tokenizer.
+
+    Raises:
+        ValueError: the source has no tokenizer (dummy model without a folder).
+    """
+    if source.path is None or not source.has_tokenizer:
+        raise ValueError(f"model {source.name!r} has no tokenizer folder; the gateway needs one")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source.path)
+
+
+def create_app(gateway: GatewaySettings, redis: RedisSettings, model: ModelSettings, source: ModelSource,
+               *, tokenizer: Any = None) -> FastAPI:
+    """Build the gateway app. The Redis client, relay reader and tokenizer thread start
+    in the app's lifespan; ``tokenizer`` (optional) skips loading one from ``source``.
+
+    Raises:
+        ValueError: no Redis URL, or no tokenizer.
+    """
+    if not redis.redis_url:
+        raise ValueError("the gateway needs a Redis URL (redis://host:port/0 or unix:///path)")
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source)
+    served_model_name = model.served_model_name or source.name
+    metrics = GatewayMetrics(served_model_name)
+    keys = Keys(redis.namespace)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        client = aioredis.from_url(redis.redis_url, socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S)
+        gateway_id = secrets.token_hex(8)
+        relay = Relay(client, keys.gateway_channel(gateway_id))
+        state = GatewayState(
+            settings=gateway, model_settings=model, served_model_name=served_model_name, source_name=source.name,
+            keys=keys, gateway_id=gateway_id, redis=client, relay=relay,
+            tokenizer=TokenizerWorker(tokenizer, source.config), metrics=metrics, tasks=BackgroundTasks(),
+            created_unix_s=int(time.time()))
+        app.state.inferq = state
+        relay.start()
+        log.info("gateway %s serving %r from stream %s", gateway_id, served_model_name, state.stream)
+        try:
+            yield
+        finally:
+            await relay.stop()
+            await state.tasks.close()
+            state.tokenizer.close()
+            await client.aclose()
+
+    app = FastAPI(title="inferq", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.metrics = metrics
+    install_error_handlers(app)
+
+    def get_state(request: Request) -> GatewayState:
+        return request.app.state.inferq  # type: ignore[no-any-return]
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle_generate(get_state(request), request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await handle_generate(get_state(request), request, chat=True)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> Response:
+        state = get_state(request)
+        check_auth(state, request)
+        card = {"id": state.served_model_name, "object": "model", "created": state.created_unix_s,
+                "owned_by": "inferq", "root": state.source_name, "parent": None,
+                "max_model_len": state.model_settings.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        state = get_state(request)
+        try:
+            await asyncio.wait_for(state.redis.ping(), HEALTH_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - any failure means unhealthy
+            return OpenAIError(503, f"Redis is unavailable: {exc!r}", code="redis_unavailable").response()
+        return JSONResponse({"status": "ok", "relay_subscribed": state.relay.ready.is_set()})
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def run(gateway: GatewaySettings, redis: RedisSettings, model: ModelSettings, source: ModelSource) -> None:
+    """Serve the gateway with uvicorn on ``gateway.host:gateway.port`` until stopped."""
+    import uvicorn
+
+    app = create_app(gateway, redis, model, source)
+    uvicorn.run(app, host=gateway.host, port=gateway.port, log_level="info", timeout_graceful_shutdown=5)

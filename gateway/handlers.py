@@ -1,0 +1,221 @@
+"""The two generation endpoints: validate, tokenize, admit, enqueue, then answer with
+one JSON body or an SSE stream (DESIGN.md, "Request flow").
+
+Order of checks: auth (401), body size (413), body (400), model (404), prompt length
+(400), relay subscribed (503), queue depth (429/503), XADD (503).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import re
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from gateway.admission import check_queue, enqueue
+from gateway.errors import OpenAIError
+from gateway.generation import ClientDisconnected, Generation
+from gateway.output import OutputProcessor
+from gateway.responses import DONE_EVENT, ResponseShape, sse_event, usage
+from gateway.schemas import DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, parse_body
+from gateway.state import GatewayState
+from shared.protocol import GenerateRequest
+from shared.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+#: How long a request waits for the relay's subscription before a 503, s.
+RELAY_READY_TIMEOUT_S = 1.0
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_REJECT_REASONS = {400: "invalid_request", 401: "unauthorized", 404: "unknown_model", 413: "body_too_large",
+                   429: "queue_full", 503: "unavailable"}
+
+
+def check_auth(state: GatewayState, request: Request) -> None:
+    """Raises OpenAIError 401 unless the bearer token is one of ``api_keys`` (no keys: open)."""
+    keys = state.settings.api_keys
+    if not keys:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not any(hmac.compare_digest(token.strip(), k) for k in keys):
+        raise OpenAIError(401, "invalid or missing API key", code="invalid_api_key")
+
+
+async def read_body(request: Request, max_body_bytes: int) -> bytes:
+    """The request body, at most ``max_body_bytes`` bytes. Raises OpenAIError 413."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+        raise OpenAIError(413, f"request body exceeds {max_body_bytes} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_body_bytes:
+            raise OpenAIError(413, f"request body exceeds {max_body_bytes} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def make_request_id(request: Request, prefix: str) -> str:
+    """``<prefix><X-Request-Id>`` when the client sent one, else ``<prefix><random hex>``."""
+    given = request.headers.get("x-request-id")
+    if given is None:
+        return prefix + secrets.token_hex(16)
+    if not _REQUEST_ID_RE.match(given):
+        raise OpenAIError(400, "X-Request-Id must be 1-128 characters of [A-Za-z0-9._:-]", param="X-Request-Id")
+    return prefix + given
+
+
+def resolve_max_tokens(requested: int | None, default: int | None, num_prompt_tokens: int, max_model_len: int,
+                       prompt_param: str, max_tokens_param: str) -> int:
+    """The request's ``max_tokens``, checked against the context length.
+
+    ``default`` None means "fill the context" (chat). Raises OpenAIError 400.
+    """
+    if num_prompt_tokens >= max_model_len:
+        raise OpenAIError(400, f"the prompt is {num_prompt_tokens} tokens; this model's maximum context length "
+                          f"is {max_model_len} tokens", param=prompt_param)
+    max_tokens = requested if requested is not None else (
+        default if default is not None else max_model_len - num_prompt_tokens)
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise OpenAIError(400, f"max_tokens ({max_tokens}) + the prompt ({num_prompt_tokens} tokens) exceed this "
+                          f"model's maximum context length of {max_model_len} tokens", param=max_tokens_param)
+    return max_tokens
+
+
+async def handle_generate(state: GatewayState, request: Request, *, chat: bool) -> Response:
+    """Serve ``POST /v1/completions`` (``chat=False``) or ``/v1/chat/completions``."""
+    arrival_s = time.monotonic()
+    try:
+        check_auth(state, request)
+        body = await read_body(request, state.settings.max_body_bytes)
+        req: CompletionRequest | ChatCompletionRequest = parse_body(
+            ChatCompletionRequest if chat else CompletionRequest, body)
+        req.check()
+        if req.model != state.served_model_name:
+            raise OpenAIError(404, f"the model {req.model!r} does not exist", param="model", code="model_not_found")
+        max_len = state.model_settings.max_model_len
+        if isinstance(req, ChatCompletionRequest):
+            prompt_ids = await state.tokenizer.chat_prompt([m.to_template() for m in req.messages])
+            param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+            max_tokens = resolve_max_tokens(req.requested_max_tokens, None, len(prompt_ids), max_len,
+                                            "messages", param)
+        else:
+            prompt_ids = await state.tokenizer.completion_prompt(req.prompt)
+            max_tokens = resolve_max_tokens(req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, len(prompt_ids),
+                                            max_len, "prompt", "max_tokens")
+        params = req.sampling_params(max_tokens)
+        request_id = make_request_id(request, "chatcmpl-" if chat else "cmpl-")
+        gen = await submit(state, request, request_id, prompt_ids, params, req.stop_strings, arrival_s,
+                           poll_disconnect=not req.stream)
+    except OpenAIError as exc:
+        state.metrics.rejected(_REJECT_REASONS.get(exc.status, str(exc.status)))
+        return exc.response()
+    shape = ResponseShape(request_id, state.served_model_name, int(time.time()), chat)
+    headers = {"X-Request-Id": request_id}
+    if req.stream:
+        return GenerationStream(gen, stream_events(gen, shape, len(prompt_ids), req.include_usage),
+                                media_type="text/event-stream",
+                                 headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return await full_response(gen, shape, len(prompt_ids), headers)
+
+
+class GenerationStream(StreamingResponse):
+    """A streaming response that always closes its generation, even when the client
+    leaves before the body iterator starts (then its ``finally`` never runs)."""
+
+    def __init__(self, gen: Generation, content: AsyncIterator[bytes], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._gen = gen
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._gen.close()
+
+
+async def submit(state: GatewayState, request: Request, request_id: str, prompt_ids: list[int],
+                 params: SamplingParams, stops: list[str], arrival_s: float, *, poll_disconnect: bool) -> Generation:
+    """Admit and enqueue one request; returns its ``Generation`` (registered in the
+    relay before the XADD, so no reply can be missed).
+
+    Raises:
+        OpenAIError: 400 duplicate request id, 429 queue full, 503 Redis or relay down.
+    """
+    if not await state.relay.wait_ready(RELAY_READY_TIMEOUT_S):
+        raise OpenAIError(503, "not subscribed to the reply channel (Redis unavailable)", code="redis_unavailable")
+    await check_queue(state.redis, state.stream, state.settings.max_queue_len)
+    try:
+        queue = state.relay.register(request_id)
+    except KeyError:
+        raise OpenAIError(400, f"request {request_id} is already in flight", param="X-Request-Id") from None
+    now_unix_s = time.time()
+    deadline_s = arrival_s + state.settings.request_timeout_s
+    message = GenerateRequest(
+        request_id=request_id, model=state.served_model_name, prompt_token_ids=prompt_ids, sampling=params,
+        reply_channel=state.relay.channel, deadline_unix_s=now_unix_s + (deadline_s - time.monotonic()),
+        attempt=0, created_unix_s=now_unix_s)
+    try:
+        await enqueue(state.redis, state.stream, message)
+    except BaseException:
+        state.relay.unregister(request_id)
+        raise
+    state.metrics.prompt_tokens.labels(state.served_model_name).inc(len(prompt_ids))
+    state.metrics.requests_in_flight.labels(state.served_model_name).inc()
+    processor = OutputProcessor(state.tokenizer.tokenizer, prompt_ids, stops,
+                                state.tokenizer.eos_token_ids | set(params.stop_token_ids))
+    return Generation(request_id=request_id, queue=queue, processor=processor, tokenizer=state.tokenizer,
+                      arrival_s=arrival_s, deadline_s=deadline_s, on_close=state.release,
+                      is_disconnected=request.is_disconnected if poll_disconnect else None)
+
+
+async def full_response(gen: Generation, shape: ResponseShape, num_prompt_tokens: int,
+                        headers: dict[str, str]) -> Response:
+    """Wait for the whole output and answer one JSON body (or the error)."""
+    texts: list[str] = []
+    try:
+        async for step in gen.steps():
+            texts.append(step.text)
+    except OpenAIError as exc:
+        return exc.response()
+    except ClientDisconnected:
+        return Response(status_code=499)
+    finally:
+        gen.close()
+    body = shape.body("".join(texts), gen.finish_reason, usage(num_prompt_tokens, gen.num_output_tokens))
+    return JSONResponse(body, headers=headers)
+
+
+async def stream_events(gen: Generation, shape: ResponseShape, num_prompt_tokens: int,
+                        include_usage: bool) -> AsyncIterator[bytes]:
+    """SSE body: chunks as text becomes final, the finish_reason chunk, the usage chunk
+    when asked, then ``[DONE]``. An error mid-stream is an ``{"error": ...}`` event then
+    ``[DONE]``. Cancellation (client gone) closes the generation, which aborts it."""
+    try:
+        first = shape.first_chunk()
+        if first is not None:
+            yield sse_event(first)
+        async for step in gen.steps():
+            if step.text or step.finish_reason is not None:
+                yield sse_event(shape.chunk(step.text, step.finish_reason))
+        if include_usage:
+            yield sse_event(shape.usage_chunk(usage(num_prompt_tokens, gen.num_output_tokens)))
+        yield DONE_EVENT
+    except OpenAIError as exc:
+        yield sse_event(exc.body())
+        yield DONE_EVENT
+    except Exception as exc:
+        log.exception("stream of %s failed", gen.request_id)
+        gen.error = OpenAIError(500, f"internal error: {type(exc).__name__}")
+        yield sse_event(gen.error.body())
+        yield DONE_EVENT
+    finally:
+        gen.close()

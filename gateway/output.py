@@ -1,0 +1,68 @@
+"""Turns one request's output token ids into released text: incremental
+detokenization, hidden stop tokens, stop strings, and the count of tokens consumed.
+Pure and synchronous (runs in the tokenizer executor, off the event loop)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.stop import StopChecker
+
+
+@dataclass(slots=True)
+class Step:
+    """Text released after one token message.
+
+    ``finish_reason`` is set when the output is over ("stop" or "length");
+    ``stop_string`` is set when a stop string ended it (the worker does not know yet
+    and must be told to abort).
+    """
+
+    text: str
+    finish_reason: str | None = None
+    stop_string: str | None = None
+
+
+class OutputProcessor:
+    """Per-request output state. ``num_output_tokens`` counts the token ids consumed,
+    up to and including the one that completed a stop string (OpenAI
+    ``completion_tokens``).
+
+    ``hidden_token_ids`` (EOS ids and the request's ``stop_token_ids``) are left out of
+    the text when they are the token that ended the output.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], stops: Sequence[str] = (),
+                 hidden_token_ids: Iterable[int] = ()) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self._stop = StopChecker(stops)
+        self._hidden = frozenset(hidden_token_ids)
+        self.num_output_tokens = 0
+        self.finished = False
+
+    def process(self, token_ids: Sequence[int], finish_reason: str | None) -> Step:
+        """Consume new, in-order ``token_ids``; ``finish_reason`` is the worker's (None
+        while it runs). Returns the text to release and whether the output is over."""
+        assert not self.finished, "output already finished"
+        parts: list[str] = []
+        last = len(token_ids) - 1
+        for i, token_id in enumerate(token_ids):
+            self.num_output_tokens += 1
+            hide = i == last and finish_reason == "stop" and token_id in self._hidden
+            result = self._stop.add("" if hide else self._detok.add(token_id))
+            parts.append(result.text)
+            if result.stopped:
+                self.finished = True
+                return Step("".join(parts), "stop", result.stop)
+        if finish_reason is None:
+            return Step("".join(parts))
+        result = self._stop.add(self._detok.flush())
+        parts.append(result.text)
+        self.finished = True
+        if result.stopped:
+            return Step("".join(parts), "stop", result.stop)
+        parts.append(self._stop.flush())
+        return Step("".join(parts), finish_reason)

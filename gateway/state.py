@@ -1,0 +1,74 @@
+"""Everything one running gateway app owns, created in the app's lifespan."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from gateway.generation import Generation
+from gateway.metrics import GatewayMetrics
+from gateway.relay import Relay
+from gateway.tasks import BackgroundTasks
+from gateway.tokenize import TokenizerWorker
+from shared import protocol
+from shared.keys import Keys
+from shared.protocol import AbortMessage
+from shared.settings import GatewaySettings, ModelSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class GatewayState:
+    """The app's Redis client, relay, tokenizer thread, metrics and background tasks.
+
+    ``gateway_id`` (random hex, made at startup) names this gateway's reply channel.
+    """
+
+    settings: GatewaySettings
+    model_settings: ModelSettings
+    served_model_name: str
+    source_name: str
+    keys: Keys
+    gateway_id: str
+    redis: aioredis.Redis
+    relay: Relay
+    tokenizer: TokenizerWorker
+    metrics: GatewayMetrics
+    tasks: BackgroundTasks
+    created_unix_s: int
+
+    @property
+    def stream(self) -> str:
+        """The model's request stream."""
+        return self.keys.requests_stream(self.served_model_name)
+
+    def publish_abort(self, request_id: str, reason: str) -> None:
+        """Tell every worker to stop ``request_id`` (in a kept background task, so it is
+        safe to call from ``finally`` of a cancelled request)."""
+        self.metrics.aborted(reason)
+        payload = protocol.encode(AbortMessage(request_ids=[request_id], reason=reason))
+        self.tasks.spawn(self.redis.publish(self.keys.control_channel(), payload), name=f"abort:{request_id}")
+
+    def release(self, gen: Generation) -> None:
+        """``Generation.on_close``: forget the request, abort it if the worker still runs
+        it, and record its metrics."""
+        self.relay.unregister(gen.request_id)
+        reason = gen.abort_reason
+        if reason is not None:
+            self.publish_abort(gen.request_id, reason)
+        m, name = self.metrics, self.served_model_name
+        m.requests_in_flight.labels(name).dec()
+        m.generation_tokens.labels(name).inc(gen.num_output_tokens)
+        if gen.first_token_s is not None:
+            m.time_to_first_token.labels(name).observe(gen.first_token_s - gen.arrival_s)
+        for gap_s in gen.token_gaps_s:
+            m.inter_token_latency.labels(name).observe(gap_s)
+        if gen.finish_reason is not None:
+            m.request_success.labels(name, gen.finish_reason).inc()
+            m.e2e_request_latency.labels(name).observe(time.monotonic() - gen.arrival_s)
+        elif gen.error is not None:
+            m.request_errors.labels(name, str(gen.error.status)).inc()

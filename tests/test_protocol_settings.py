@@ -1,0 +1,56 @@
+"""Wire protocol round trips, version checks, key names, settings precedence."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared import protocol
+from shared.keys import Keys
+from shared.protocol import AbortMessage, GenerateRequest, ProtocolError, TokenMessage
+from shared.sampling import InvalidParameter, SamplingParams
+from shared.settings import EngineSettings, GatewaySettings, build, settings_table
+
+
+def test_every_message_round_trips() -> None:
+    req = GenerateRequest(request_id="r1", model="m", prompt_token_ids=[1, 2, 3],
+                          sampling=SamplingParams(max_tokens=5, stop_token_ids=(7,), seed=3),
+                          reply_channel="c", deadline_unix_s=1e9, attempt=2)
+    tok = TokenMessage(request_id="r1", attempt=2, worker_id="w", first_index=4, token_ids=[9],
+                       finish_reason="length")
+    for message in (req, tok, AbortMessage(request_ids=["a", "b"], reason="x")):
+        assert protocol.decode(protocol.encode(message)) == message
+
+
+def test_unknown_version_and_garbage_are_rejected() -> None:
+    tok = TokenMessage(request_id="r", attempt=0, worker_id="w", first_index=0, token_ids=[], v=99)
+    with pytest.raises(ProtocolError, match="version"):
+        protocol.decode(protocol.encode(tok))
+    with pytest.raises(ProtocolError):
+        protocol.decode(b"\x00garbage")
+
+
+def test_keys_share_a_namespace() -> None:
+    k = Keys("ns")
+    assert k.requests_stream("m") == "ns:m:requests"
+    assert k.gateway_channel("g").startswith("ns:") and k.control_channel() == "ns:control"
+    assert k.worker_key("w") == "ns:worker:w"
+
+
+@pytest.mark.parametrize("field,value", [("max_tokens", 0), ("temperature", -1.0), ("top_p", 0.0),
+                                         ("top_k", -5), ("min_p", 1.5), ("repetition_penalty", 0.0),
+                                         ("presence_penalty", 3.0)])
+def test_invalid_sampling_names_the_parameter(field: str, value: object) -> None:
+    with pytest.raises(InvalidParameter) as err:
+        SamplingParams(**{field: value}).validate()
+    assert err.value.param == field
+
+
+def test_settings_precedence_flag_env_default() -> None:
+    env = {"INFERQ_MAX_NUM_SEQS": "7", "INFERQ_ENABLE_PREFIX_CACHING": "false", "INFERQ_API_KEYS": "a, b"}
+    s = build(EngineSettings, {"max_num_seqs": None, "block_size": 32}, env)
+    assert s.max_num_seqs == 7 and s.block_size == 32 and s.enable_prefix_caching is False
+    assert s.max_num_batched_tokens == EngineSettings().max_num_batched_tokens
+    assert build(GatewaySettings, {}, env).api_keys == ("a", "b")
+    with pytest.raises(ValueError, match="INFERQ_PORT"):
+        build(GatewaySettings, {}, {"INFERQ_PORT": "eighty"})
+    assert "`INFERQ_MAX_NUM_SEQS`" in settings_table()

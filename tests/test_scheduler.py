@@ -1,0 +1,124 @@
+"""Scheduler on the CPU with hand-made model outputs: no model, no torch tensors."""
+
+from __future__ import annotations
+
+from shared.sampling import SamplingParams
+from worker.engine.block_manager import BlockManager
+from worker.engine.request import Request, RequestStatus
+from worker.engine.scheduler import Scheduler
+
+EOS = 0
+
+
+def make(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8, budget: int = 32,
+         caching: bool = False) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, block_size, caching), max_num_seqs, budget)
+
+
+def req(rid: str, n: int, max_tokens: int = 4, **kw: object) -> Request:
+    return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens, **kw), frozenset({EOS}))
+
+
+def run_step(s: Scheduler, token: int = 7) -> tuple[dict[str, int], list[Request]]:
+    out = s.schedule()
+    counts = {x.request.request_id: x.num_tokens for x in out.scheduled}
+    sampled = [token if x.samples else None for x in out.scheduled]
+    _, finished = s.update(out, sampled)
+    return counts, finished
+
+
+def test_mixed_batch_decode_and_chunked_prefill_under_budget() -> None:
+    s = make(budget=10)
+    s.add(req("a", 3))
+    s.add(req("b", 20))
+    counts, _ = run_step(s)
+    assert counts == {"a": 3, "b": 7}  # b's prefill is chunked to the remaining budget
+    counts, _ = run_step(s)
+    assert counts == {"a": 1, "b": 9}  # a decodes, b continues its prefill
+    b = s.requests["b"]
+    assert b.num_computed_tokens == 16 and b.num_output_tokens == 0  # no token for a partial chunk
+    counts, _ = run_step(s)
+    assert counts == {"a": 1, "b": 4}
+    assert b.num_output_tokens == 1
+
+
+def test_max_num_seqs_caps_running() -> None:
+    s = make(max_num_seqs=2)
+    for i in range(4):
+        s.add(req(f"r{i}", 2))
+    counts, _ = run_step(s)
+    assert set(counts) == {"r0", "r1"} and len(s.waiting) == 2
+
+
+def test_finish_on_length_eos_and_stop_token_frees_blocks() -> None:
+    s = make()
+    s.add(req("len", 3, max_tokens=2))
+    s.add(req("eos", 3, max_tokens=5))
+    s.add(req("stop", 3, max_tokens=5, stop_token_ids=(9,)))
+    out = s.schedule()
+    tokens = {"len": 5, "eos": EOS, "stop": 9}
+    _, finished = s.update(out, [tokens[x.request.request_id] for x in out.scheduled])
+    assert {r.request_id for r in finished} == {"eos", "stop"}
+    assert all(r.status == RequestStatus.FINISHED_STOPPED for r in finished)
+    _, finished = run_step(s)
+    assert [r.request_id for r in finished] == ["len"] and finished[0].status == RequestStatus.FINISHED_LENGTH
+    assert s.block_manager.num_free_blocks == s.block_manager.num_blocks
+
+
+def test_ignore_eos_and_min_tokens() -> None:
+    s = make()
+    s.add(req("ign", 2, max_tokens=3, ignore_eos=True))
+    s.add(req("min", 2, max_tokens=3, min_tokens=2))
+    _, f1 = run_step(s, EOS)
+    assert f1 == []  # min_tokens=2 keeps "min" going after an early EOS
+    _, f2 = run_step(s, EOS)
+    assert [r.request_id for r in f2] == ["min"]
+    _, f3 = run_step(s, EOS)
+    assert [r.request_id for r in f3] == ["ign"] and f3[0].status == RequestStatus.FINISHED_LENGTH
+
+
+def test_preemption_by_recompute_when_blocks_run_out() -> None:
+    # 4 blocks of 2 tokens: two requests of 3 prompt tokens take 2 blocks each; the first
+    # decode that needs a new block preempts the most recently admitted request.
+    s = make(num_blocks=4, block_size=2, budget=16)
+    s.add(req("a", 3, max_tokens=4))
+    s.add(req("b", 3, max_tokens=4))
+    run_step(s)  # both prefilled (3 tokens, 2 blocks each), one token sampled each
+    run_step(s)  # the 4th token's KV fills each second block
+    out = s.schedule()  # the 5th token needs a third block: none is free
+    assert [r.request_id for r in out.preempted] == ["b"]
+    assert [x.request.request_id for x in out.scheduled] == ["a"]
+    b = s.requests["b"]
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and b.block_table == []
+    assert b.num_output_tokens == 2  # its output is kept and recomputed as prompt
+    s.update(out, [7])
+    finished: list[Request] = []
+    for _ in range(20):
+        if not s.num_unfinished:
+            break
+        _, f = run_step(s)
+        finished += f
+    assert {r.request_id for r in finished} == {"a", "b"}
+    assert all(r.num_output_tokens == 4 for r in finished)
+    assert s.block_manager.num_free_blocks == 4 and s.num_preemptions >= 1
+
+
+def test_abort_running_and_waiting() -> None:
+    s = make(max_num_seqs=1)
+    s.add(req("a", 3))
+    s.add(req("b", 3))
+    run_step(s)
+    assert s.abort("a").status == RequestStatus.FINISHED_ABORTED
+    assert s.abort("b").status == RequestStatus.FINISHED_ABORTED
+    assert s.abort("nope") is None
+    assert s.num_unfinished == 0 and s.block_manager.num_free_blocks == s.block_manager.num_blocks
+
+
+def test_prefix_cache_hit_skips_computed_tokens() -> None:
+    s = make(caching=True, block_size=4)
+    s.add(req("a", 10, max_tokens=1))
+    run_step(s)
+    s.add(req("b", 10, max_tokens=1))
+    counts, _ = run_step(s)
+    assert counts == {"b": 2}  # 8 of 10 prompt tokens came from the cache
+    assert s.block_manager.num_free_blocks == s.block_manager.num_blocks

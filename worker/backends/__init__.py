@@ -1,0 +1,1 @@
+"""Engine backends a worker can drive. Each satisfies ``EngineBackend``."""

@@ -1,0 +1,19 @@
+"""The in-house engine as a worker backend."""
+
+from __future__ import annotations
+
+from shared.model_source import resolve_model
+from shared.settings import EngineSettings, ModelSettings
+from worker.engine.engine import LLMEngine
+
+
+class InferqBackend(LLMEngine):
+    """``LLMEngine`` built from settings, with the attributes ``EngineBackend`` names."""
+
+    name = "inferq"
+
+    def __init__(self, model_settings: ModelSettings, engine_settings: EngineSettings) -> None:
+        source = resolve_model(model_settings.model, model_settings.load_format, model_settings.model_cache_dir)
+        super().__init__(source, model_settings, engine_settings)
+        self.block_size = engine_settings.block_size
+        self.max_num_seqs = engine_settings.max_num_seqs

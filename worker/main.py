@@ -1,0 +1,54 @@
+"""Entry point of a worker process: settings in, Redis client and engine built, SIGTERM
+drains, SIGINT stops."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import redis.asyncio as aioredis
+
+from shared.keys import Keys
+from shared.model_source import resolve_model
+from shared.settings import EngineSettings, ModelSettings, RedisSettings, WorkerSettings
+from worker.backends.base import create_backend
+from worker.service import Worker, default_worker_id
+
+log = logging.getLogger(__name__)
+
+
+def served_name(model: ModelSettings) -> str:
+    """The model name on the wire: ``served_model_name`` or the resolved model's name."""
+    if model.served_model_name:
+        return model.served_model_name
+    return resolve_model(model.model, model.load_format, model.model_cache_dir).name
+
+
+async def serve_worker(worker: WorkerSettings, redis_settings: RedisSettings, model: ModelSettings,
+                       engine: EngineSettings) -> None:
+    """Build the backend, connect to Redis and run until SIGTERM has drained the worker.
+
+    Raises:
+        ValueError: no Redis URL (a worker never starts an embedded Redis itself).
+    """
+    if not redis_settings.redis_url:
+        raise ValueError("a worker needs --redis-url (or INFERQ_REDIS_URL)")
+    backend = await asyncio.to_thread(create_backend, worker.backend, model, engine)
+    client = aioredis.from_url(redis_settings.redis_url, health_check_interval=10)
+    service = Worker(client, Keys(redis_settings.namespace), served_name(model),
+                     worker.worker_id or default_worker_id(), backend)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, service.drain)
+    metrics_server = None
+    if worker.metrics_port:
+        from worker.metrics import start_metrics_server
+
+        metrics_server = start_metrics_server(worker.metrics_port, service)
+    log.info("worker %s serving %s (backend %s)", service.worker_id, service.model, backend.name)
+    try:
+        await service.run()
+    finally:
+        if metrics_server is not None:
+            metrics_server.shutdown()
+        await client.aclose()

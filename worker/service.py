@@ -1,0 +1,256 @@
+"""The worker's Redis adapter: a thin loop around an engine backend.
+
+Each turn of the loop:
+1. apply aborts received on the control channel;
+2. pull with XREADGROUP only as many requests as the engine can admit
+   (``num_admittable``), blocking briefly only when the engine is idle;
+3. run one engine step in a thread (off the event loop);
+4. publish every request's new tokens in one pipeline, XACK + XDEL the entries of
+   finished requests in the same pipeline, and abort requests whose gateway is gone
+   (PUBLISH reached 0 subscribers).
+A heartbeat task refreshes ``{ns}:worker:{id}`` with a TTL; a control task listens for
+aborts. On SIGTERM (``drain()``) the worker stops pulling, finishes what it holds, and
+returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError, ResponseError
+
+from shared import protocol
+from shared.keys import CONSUMER_GROUP, HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, STREAM_FIELD, Keys
+from shared.protocol import AbortMessage, ErrorMessage, GenerateRequest, TokenMessage, WorkerStatus
+from worker.backends.base import EngineBackend
+from worker.engine.engine import RequestOutput, RequestRejected
+
+log = logging.getLogger(__name__)
+
+#: How long XREADGROUP blocks when the engine is idle, ms.
+IDLE_BLOCK_MS = 100
+#: Back-off after a Redis error, seconds.
+RECONNECT_DELAY_S = 0.5
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(slots=True)
+class InFlight:
+    """Where a running request came from and where its tokens go."""
+
+    entry_id: bytes
+    reply_channel: str
+    attempt: int
+
+
+class Worker:
+    """Consumes one model's request stream into an engine backend."""
+
+    def __init__(self, client: aioredis.Redis, keys: Keys, model: str, worker_id: str,
+                 backend: EngineBackend) -> None:
+        self.redis = client
+        self.keys = keys
+        self.model = model
+        self.worker_id = worker_id or default_worker_id()
+        self.backend = backend
+        self.stream = keys.requests_stream(model)
+        self.inflight: dict[str, InFlight] = {}
+        self._aborts: set[str] = set()
+        self._draining = asyncio.Event()
+        self._started_unix_s = time.time()
+        self.num_steps = 0
+
+    def drain(self) -> None:
+        """Stop pulling; ``run`` returns once every held request is finished."""
+        self._draining.set()
+
+    async def run(self) -> None:
+        """Serve until drained. Background tasks are awaited and their errors raised."""
+        await self._ensure_group()
+        tasks = [asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+                 asyncio.create_task(self._control_loop(), name="control")]
+        try:
+            main = asyncio.create_task(self._main_loop(), name="main")
+            done, _ = await asyncio.wait([main, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # surface a crashed background task
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            try:
+                await self.redis.delete(self.keys.worker_key(self.worker_id))
+            except RedisError:
+                pass
+        log.info("worker %s drained after %d steps", self.worker_id, self.num_steps)
+
+    # -- main loop ------------------------------------------------------------------
+    async def _main_loop(self) -> None:
+        while True:
+            try:
+                await self._apply_aborts()
+                busy = self.backend.has_unfinished_requests()
+                if self._draining.is_set():
+                    if not busy:
+                        return
+                else:
+                    await self._pull(block_ms=None if busy else IDLE_BLOCK_MS)
+                if self.backend.has_unfinished_requests():
+                    outputs = await asyncio.to_thread(self.backend.step)
+                    self.num_steps += 1
+                    await self._publish(outputs)
+            except RedisError as exc:
+                log.warning("redis error in worker loop: %s; retrying", exc)
+                await asyncio.sleep(RECONNECT_DELAY_S)
+                if isinstance(exc, ResponseError) and "NOGROUP" in str(exc):
+                    await self._ensure_group()
+
+    async def _ensure_group(self) -> None:
+        try:
+            await self.redis.xgroup_create(self.stream, CONSUMER_GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def _pull(self, block_ms: int | None) -> None:
+        count = self.backend.num_admittable()
+        if count <= 0:
+            if block_ms is not None:
+                await asyncio.sleep(block_ms / 1000)
+            return
+        reply = await self.redis.xreadgroup(CONSUMER_GROUP, self.worker_id, {self.stream: ">"},
+                                            count=count, block=block_ms)
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                await self._admit(entry_id, fields)
+
+    async def _admit(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+        try:
+            message = protocol.decode(fields[STREAM_FIELD])
+        except (KeyError, protocol.ProtocolError) as exc:
+            log.error("dropping undecodable stream entry %s: %s", entry_id, exc)
+            await self._ack(entry_id)
+            return
+        if not isinstance(message, GenerateRequest):
+            log.error("dropping stream entry %s of type %s", entry_id, type(message).__name__)
+            await self._ack(entry_id)
+            return
+        if time.time() > message.deadline_unix_s:
+            await self._fail(message, entry_id, 504, "request deadline passed before a worker could start it")
+            return
+        try:
+            self.backend.add_request(message.request_id, message.prompt_token_ids, message.sampling)
+        except RequestRejected as exc:
+            await self._fail(message, entry_id, 400, str(exc))
+            return
+        self.inflight[message.request_id] = InFlight(entry_id, message.reply_channel, message.attempt)
+
+    async def _fail(self, message: GenerateRequest, entry_id: bytes, status: int, text: str) -> None:
+        error = ErrorMessage(request_id=message.request_id, attempt=message.attempt, worker_id=self.worker_id,
+                             status=status, message=text)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.publish(message.reply_channel, protocol.encode(error))
+            pipe.xack(self.stream, CONSUMER_GROUP, entry_id)
+            pipe.xdel(self.stream, entry_id)
+            await pipe.execute()
+
+    async def _ack(self, entry_id: bytes) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xack(self.stream, CONSUMER_GROUP, entry_id)
+            pipe.xdel(self.stream, entry_id)
+            await pipe.execute()
+
+    async def _publish(self, outputs: list[RequestOutput]) -> None:
+        """One pipeline: a PUBLISH per request with new tokens, XACK + XDEL per finished one."""
+        if not outputs:
+            return
+        sent: list[tuple[str, bool]] = []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for out in outputs:
+                info = self.inflight.get(out.request_id)
+                if info is None:
+                    continue
+                message = TokenMessage(request_id=out.request_id, attempt=info.attempt, worker_id=self.worker_id,
+                                       first_index=out.first_index, token_ids=out.new_token_ids,
+                                       finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens,
+                                       num_cached_tokens=out.num_cached_tokens)
+                pipe.publish(info.reply_channel, protocol.encode(message))
+                finished = out.finish_reason is not None
+                sent.append((out.request_id, finished))
+                if finished:
+                    pipe.xack(self.stream, CONSUMER_GROUP, info.entry_id)
+                    pipe.xdel(self.stream, info.entry_id)
+            results = await pipe.execute()
+        # Results come back in command order: a PUBLISH, then (for finished) XACK, XDEL.
+        pos = 0
+        for request_id, finished in sent:
+            receivers = results[pos]
+            pos += 3 if finished else 1
+            if finished:
+                self.inflight.pop(request_id, None)
+            elif receivers == 0:
+                log.info("gateway of %s is gone; aborting it", request_id)
+                self._aborts.add(request_id)
+
+    async def _apply_aborts(self) -> None:
+        if not self._aborts:
+            return
+        ids, self._aborts = self._aborts, set()
+        for request_id in ids:
+            info = self.inflight.pop(request_id, None)
+            if info is None:
+                continue
+            self.backend.abort(request_id)
+            await self._ack(info.entry_id)
+
+    # -- background tasks ----------------------------------------------------------
+    def status(self) -> WorkerStatus:
+        s = self.backend.stats()
+        return WorkerStatus(worker_id=self.worker_id, model=self.model, backend=self.backend.name,
+                            num_running=s.num_running, num_waiting=s.num_waiting, kv_usage=s.kv_usage,
+                            num_free_blocks=s.num_free_blocks, block_size=self.backend.block_size,
+                            max_num_seqs=self.backend.max_num_seqs, updated_unix_s=time.time(),
+                            started_unix_s=self._started_unix_s, pid=os.getpid())
+
+    async def _heartbeat_loop(self) -> None:
+        key = self.keys.worker_key(self.worker_id)
+        while True:
+            try:
+                await self.redis.set(key, protocol.encode(self.status()), ex=HEARTBEAT_TTL_S)
+            except RedisError as exc:
+                log.warning("heartbeat failed: %s", exc)
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    async def _control_loop(self) -> None:
+        channel = self.keys.control_channel()
+        while True:
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(channel)
+                async for item in pubsub.listen():
+                    if item.get("type") != "message":
+                        continue
+                    try:
+                        message = protocol.decode(item["data"])
+                    except protocol.ProtocolError as exc:
+                        log.warning("bad control message: %s", exc)
+                        continue
+                    if isinstance(message, AbortMessage):
+                        self._aborts.update(r for r in message.request_ids if r in self.inflight)
+            except RedisError as exc:
+                log.warning("control channel lost (%s); resubscribing", exc)
+                await asyncio.sleep(RECONNECT_DELAY_S)
+            finally:
+                try:
+                    await pubsub.aclose()
+                except RedisError:
+                    pass
