@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway.errors import OpenAIError, install_error_handlers
+from gateway.failover import failover_loop
 from gateway.handlers import check_auth, handle_generate
 from gateway.metrics import GatewayMetrics
 from gateway.relay import Relay
@@ -74,10 +75,12 @@ def create_app(gateway: GatewaySettings, redis: RedisSettings, model: ModelSetti
             created_unix_s=int(time.time()))
         app.state.inferq = state
         relay.start()
+        failover = state.tasks.spawn(failover_loop(state), name="failover")
         log.info("gateway %s serving %r from stream %s", gateway_id, served_model_name, state.stream)
         try:
             yield
         finally:
+            failover.cancel()
             await relay.stop()
             await state.tasks.close()
             state.tokenizer.close()

@@ -17,7 +17,7 @@ from gateway.errors import OpenAIError
 from gateway.output import OutputProcessor, Step
 from gateway.relay import RelayItem, RelayLost
 from gateway.tokenize import TokenizerWorker
-from shared.protocol import ErrorMessage
+from shared.protocol import ErrorMessage, GenerateRequest
 
 #: How often a non-streaming request checks whether its client is still there, s.
 DISCONNECT_POLL_S = 1.0
@@ -57,6 +57,20 @@ class Generation:
         self.error: OpenAIError | None = None
         self.disconnected = False
         self._closed = False
+        # For failover: the queued request, its stream entry, the worker that runs it
+        # (from its last message) and the output token ids received so far.
+        self.message: GenerateRequest | None = None
+        self.entry_id: bytes | None = None
+        self.worker_id: str | None = None
+        self.output_ids: list[int] = []
+
+    def submitted(self, message: GenerateRequest, entry_id: bytes) -> None:
+        """Record the queued request and its stream entry id."""
+        self.message, self.entry_id = message, entry_id
+
+    def resubmitted(self, message: GenerateRequest, entry_id: bytes) -> None:
+        """A continuation replaced the entry: its owner is not known yet."""
+        self.message, self.entry_id, self.worker_id = message, entry_id, None
 
     @property
     def num_output_tokens(self) -> int:
@@ -114,12 +128,16 @@ class Generation:
         if item.first_index > self.received:
             raise OpenAIError(500, f"lost output tokens {self.received}..{item.first_index - 1}",
                               code="missing_tokens")
+        if self.message is not None and item.attempt < self.message.attempt:
+            return None  # a late message of an attempt that failover replaced
+        self.worker_id = item.worker_id
         new_ids = item.token_ids[self.received - item.first_index:]
         if item.finish_reason is not None:
             self.worker_done = True
         if not new_ids and item.finish_reason is None:
             return None  # a pure duplicate
         self.received += len(new_ids)
+        self.output_ids.extend(new_ids)
         now = time.monotonic()
         if new_ids:
             if self.first_token_s is None:

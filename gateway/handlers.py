@@ -164,7 +164,7 @@ async def submit(state: GatewayState, request: Request, request_id: str, prompt_
         reply_channel=state.relay.channel, deadline_unix_s=now_unix_s + (deadline_s - time.monotonic()),
         attempt=0, created_unix_s=now_unix_s)
     try:
-        await enqueue(state.redis, state.stream, message)
+        entry_id = await enqueue(state.redis, state.stream, message)
     except BaseException:
         state.relay.unregister(request_id)
         raise
@@ -172,9 +172,12 @@ async def submit(state: GatewayState, request: Request, request_id: str, prompt_
     state.metrics.requests_in_flight.labels(state.served_model_name).inc()
     processor = OutputProcessor(state.tokenizer.tokenizer, prompt_ids, stops,
                                 state.tokenizer.eos_token_ids | set(params.stop_token_ids))
-    return Generation(request_id=request_id, queue=queue, processor=processor, tokenizer=state.tokenizer,
-                      arrival_s=arrival_s, deadline_s=deadline_s, on_close=state.release,
-                      is_disconnected=request.is_disconnected if poll_disconnect else None)
+    gen = Generation(request_id=request_id, queue=queue, processor=processor, tokenizer=state.tokenizer,
+                     arrival_s=arrival_s, deadline_s=deadline_s, on_close=state.release,
+                     is_disconnected=request.is_disconnected if poll_disconnect else None)
+    gen.submitted(message, entry_id)
+    state.generations[request_id] = gen
+    return gen
 
 
 async def full_response(gen: Generation, shape: ResponseShape, num_prompt_tokens: int,

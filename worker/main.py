@@ -37,7 +37,7 @@ async def serve_worker(worker: WorkerSettings, redis_settings: RedisSettings, mo
     backend = await asyncio.to_thread(create_backend, worker.backend, model, engine)
     client = aioredis.from_url(redis_settings.redis_url, health_check_interval=10)
     service = Worker(client, Keys(redis_settings.namespace), served_name(model),
-                     worker.worker_id or default_worker_id(), backend)
+                     worker.worker_id or default_worker_id(), backend, worker.drain_timeout_s)
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, service.drain)
     metrics_server = None

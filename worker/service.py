@@ -37,6 +37,13 @@ log = logging.getLogger(__name__)
 IDLE_BLOCK_MS = 100
 #: Back-off after a Redis error, seconds.
 RECONNECT_DELAY_S = 0.5
+#: How often the reaper looks for entries held by dead consumers, seconds.
+REAP_INTERVAL_S = 2.0
+#: Entries of a dead consumer are claimed once idle this long (2 heartbeat TTLs: the
+#: gateway's own failover, which reacts after one TTL, normally gets there first), ms.
+REAP_MIN_IDLE_MS = 2 * HEARTBEAT_TTL_S * 1000
+#: A dead consumer with nothing pending is removed from the group after this idle time, ms.
+DEAD_CONSUMER_IDLE_MS = 60_000
 
 
 def default_worker_id() -> str:
@@ -56,7 +63,7 @@ class Worker:
     """Consumes one model's request stream into an engine backend."""
 
     def __init__(self, client: aioredis.Redis, keys: Keys, model: str, worker_id: str,
-                 backend: EngineBackend) -> None:
+                 backend: EngineBackend, drain_timeout_s: float = 60.0) -> None:
         self.redis = client
         self.keys = keys
         self.model = model
@@ -66,12 +73,20 @@ class Worker:
         self.inflight: dict[str, InFlight] = {}
         self._aborts: set[str] = set()
         self._draining = asyncio.Event()
+        self._drain_deadline_s = 0.0
+        self.drain_timeout_s = drain_timeout_s
         self._started_unix_s = time.time()
+        self._next_reap_s = 0.0
         self.num_steps = 0
+        self.num_reclaimed = 0
 
     def drain(self) -> None:
-        """Stop pulling; ``run`` returns once every held request is finished."""
-        self._draining.set()
+        """Stop pulling; ``run`` returns once every held request is finished, or after
+        ``drain_timeout_s`` leaving the rest pending: with the heartbeat gone, gateways
+        re-enqueue them as continuations (handing them back)."""
+        if not self._draining.is_set():
+            self._drain_deadline_s = time.monotonic() + self.drain_timeout_s
+            self._draining.set()
 
     async def run(self) -> None:
         """Serve until drained. Background tasks are awaited and their errors raised."""
@@ -102,7 +117,13 @@ class Worker:
                 if self._draining.is_set():
                     if not busy:
                         return
+                    if time.monotonic() > self._drain_deadline_s:
+                        log.warning("drain timeout: handing back %d requests", len(self.inflight))
+                        return
                 else:
+                    if time.monotonic() >= self._next_reap_s:
+                        self._next_reap_s = time.monotonic() + REAP_INTERVAL_S
+                        await self.reap()
                     await self._pull(block_ms=None if busy else IDLE_BLOCK_MS)
                 if self.backend.has_unfinished_requests():
                     outputs = await asyncio.to_thread(self.backend.step)
@@ -133,6 +154,44 @@ class Worker:
             for entry_id, fields in entries:
                 await self._admit(entry_id, fields)
 
+    async def reap(self) -> int:
+        """Claim entries pending on consumers whose heartbeat is gone (as many as the
+        engine admits) and run them; drop dead consumers with nothing pending. Runs
+        between engine steps. Returns the number of entries claimed.
+
+        Only consumers without a heartbeat are reaped, never by idle time alone: a live
+        worker's entry stays idle in the PEL for as long as its generation runs.
+        """
+        claimed = 0
+        for consumer in await self.redis.xinfo_consumers(self.stream, CONSUMER_GROUP):
+            name = consumer["name"].decode() if isinstance(consumer["name"], bytes) else consumer["name"]
+            if name == self.worker_id or await self.redis.exists(self.keys.worker_key(name)):
+                continue
+            if int(consumer["pending"]) == 0:
+                if int(consumer["idle"]) > DEAD_CONSUMER_IDLE_MS:
+                    await self.redis.xgroup_delconsumer(self.stream, CONSUMER_GROUP, name)
+                continue
+            room = self.backend.num_admittable()
+            if room <= 0:
+                break
+            pending = await self.redis.xpending_range(self.stream, CONSUMER_GROUP, min="-", max="+", count=room,
+                                                      consumername=name, idle=REAP_MIN_IDLE_MS)
+            ids = [p["message_id"] for p in pending]
+            if not ids:
+                continue
+            entries = await self.redis.xclaim(self.stream, CONSUMER_GROUP, self.worker_id, REAP_MIN_IDLE_MS, ids)
+            # Redis 6.2 answers (None, None), in order, for an id deleted while pending
+            # (it still moves to our PEL): ack it so nothing stays pending.
+            for requested_id, (entry_id, fields) in zip(ids, entries):
+                log.warning("reclaimed %s from dead consumer %s", requested_id, name)
+                claimed += 1
+                if entry_id is not None and fields:
+                    await self._admit(entry_id, fields)
+                else:
+                    await self._ack(requested_id)
+        self.num_reclaimed += claimed
+        return claimed
+
     async def _admit(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         try:
             message = protocol.decode(fields[STREAM_FIELD])
@@ -147,8 +206,19 @@ class Worker:
         if time.time() > message.deadline_unix_s:
             await self._fail(message, entry_id, 504, "request deadline passed before a worker could start it")
             return
+        held = self.inflight.get(message.request_id)
+        if held is not None:
+            if held.attempt >= message.attempt:  # a stale redelivery of what runs here
+                await self._ack(entry_id)
+                return
+            # The gateway took this worker for dead and re-enqueued a continuation: the
+            # newer attempt replaces the one running here.
+            self.backend.abort(message.request_id)
+            del self.inflight[message.request_id]
+            await self._ack(held.entry_id)
         try:
-            self.backend.add_request(message.request_id, message.prompt_token_ids, message.sampling)
+            self.backend.add_request(message.request_id, message.prompt_token_ids, message.sampling,
+                                     message.output_token_ids)
         except RequestRejected as exc:
             await self._fail(message, entry_id, 400, str(exc))
             return

@@ -18,8 +18,10 @@ class EngineBackend(Protocol):
     max_num_seqs: int
     max_model_len: int
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
-        """Queue a request. Raises ``RequestRejected`` when it cannot run."""
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                    output_token_ids: list[int] | None = None) -> None:
+        """Queue a request (``output_token_ids``: resume after these outputs, see
+        ``GenerateRequest``). Raises ``RequestRejected`` when it cannot run."""
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its resources; False when unknown."""

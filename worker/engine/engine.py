@@ -113,22 +113,31 @@ class LLMEngine:
                  source.name, self.max_model_len)
 
     # -- requests ---------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
-        """Queue a request.
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                    output_token_ids: list[int] | None = None) -> None:
+        """Queue a request; ``output_token_ids`` resumes one whose first outputs were
+        already delivered (failover): they count against ``max_tokens`` and the next
+        token's index is ``len(output_token_ids)``.
 
         Raises:
-            RequestRejected: empty or too long prompt, bad parameters, duplicate id.
+            RequestRejected: empty or too long prompt, bad parameters, duplicate id, or
+                a resumed request with nothing left to generate.
         """
+        outputs = list(output_token_ids or ())
+        if len(outputs) >= sampling.max_tokens:
+            raise RequestRejected(f"resumed with {len(outputs)} output tokens of max_tokens {sampling.max_tokens}")
         if not prompt_token_ids:
             raise RequestRejected("empty prompt")
         if len(prompt_token_ids) + sampling.max_tokens > self.max_model_len:
             raise RequestRejected(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) "
                                   f"exceeds max_model_len {self.max_model_len}")
-        if max(prompt_token_ids) >= self.model_config.vocab_size or min(prompt_token_ids) < 0:
-            raise RequestRejected("prompt token id out of the vocabulary")
+        all_ids = [*prompt_token_ids, *outputs]
+        if max(all_ids) >= self.model_config.vocab_size or min(all_ids) < 0:
+            raise RequestRejected("token id out of the vocabulary")
         try:
             sampling.validate()
-            self.scheduler.add(Request(request_id, list(prompt_token_ids), sampling, self.eos_token_ids))
+            self.scheduler.add(Request(request_id, list(prompt_token_ids), sampling, self.eos_token_ids,
+                                       token_ids=all_ids))
         except ValueError as exc:
             raise RequestRejected(str(exc)) from exc
 

@@ -4,9 +4,15 @@ How a batch changes form:
     scheduler: [(request, num_tokens), ...]                       (Python, CPU)
  -> flat lists: input_ids, positions, slot_mapping, query lens,
     seq lens, block tables (padded), logits indices               (Python lists)
- -> one host-to-device copy each                                  (tensors, model device)
+ -> two host-to-device copies (int64: ids | positions | slots | logits indices;
+    int32: block tables | query_start_loc | seq_lens), views of them  (tensors, model device)
  -> model forward over [num_tokens] -> hidden [num_tokens, H]
  -> hidden[logits_indices] -> logits [num_sampled, V] float32 -> sampler -> ids (one D2H copy)
+
+A step in which every sequence has one query token and samples (a decode step) runs
+instead as the replay of a CUDA graph (``cuda_graphs.py``) when the device is CUDA, the
+backend is Triton and ``enforce_eager`` is off. Nothing in a step waits on the device
+except the copy of the sampled ids.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from shared.settings import EngineSettings
+from worker.engine.cuda_graphs import DecodeGraphs
 from worker.engine.sampler import Sampler
 from worker.engine.scheduler import ScheduledRequest
 from worker.models.attention import AttentionMetadata, select_backend
@@ -35,7 +42,7 @@ def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype:
 
 
 class ModelRunner:
-    """Owns the model, the KV cache tensors and the sampler."""
+    """Owns the model, the KV cache tensors, the decode CUDA graphs and the sampler."""
 
     def __init__(self, model: LlamaForCausalLM, settings: EngineSettings, num_blocks: int,
                  dtype: torch.dtype, device: torch.device, seed: int = 0) -> None:
@@ -48,10 +55,18 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(self.cfg, num_blocks, self.block_size, dtype, device)
         self.backend = select_backend(settings.attention_backend, device)
         self.sampler = Sampler(device, seed)
-        log.info("model runner: %d KV blocks of %d tokens, %s attention, %s on %s",
-                 num_blocks, self.block_size, self.backend.name, dtype, device)
+        self.max_model_len: int = model.rotary.cos.shape[0]  # type: ignore[index,assignment]
+        self.graphs: DecodeGraphs | None = None
+        if device.type == "cuda" and not settings.enforce_eager and self.backend.name == "triton":
+            max_blocks = -(-self.max_model_len // self.block_size)
+            self.graphs = DecodeGraphs(model, self.kv_caches, self.backend, settings.max_num_seqs, max_blocks,
+                                       self.max_model_len, device)
+            self.graphs.capture()
+        log.info("model runner: %d KV blocks of %d tokens, %s attention, %s on %s, CUDA graphs %s",
+                 num_blocks, self.block_size, self.backend.name, dtype, device,
+                 self.graphs.buckets if self.graphs else "off")
 
-    def _to_device(self, values: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    def _to_device(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
         t = torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda")
         return t.to(self.device, non_blocking=True)
 
@@ -76,34 +91,61 @@ class ModelRunner:
             s_lens.append(end)
             if item.samples:
                 logits_indices.append(len(input_ids) - 1)
+        num_tokens, num_seqs = len(input_ids), len(batch)
         max_blocks = max(len(item.request.block_table) for item in batch)
-        tables = [item.request.block_table + [0] * (max_blocks - len(item.request.block_table)) for item in batch]
+        ints32 = [b for item in batch for b in item.request.block_table + [0] * (max_blocks - len(item.request.block_table))]
         qsl = [0]
         for n in q_lens:
             qsl.append(qsl[-1] + n)
+        d64 = self._to_device(input_ids + positions + slots + logits_indices, torch.int64)
+        d32 = self._to_device(ints32 + qsl + s_lens, torch.int32)
+        nbt = num_seqs * max_blocks
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(slots, torch.int64),
-            block_tables=self._to_device([b for row in tables for b in row], torch.int32).view(len(batch), max_blocks),
-            query_start_loc=self._to_device(qsl, torch.int32),
-            seq_lens=self._to_device(s_lens, torch.int32),
+            slot_mapping=d64[2 * num_tokens:3 * num_tokens],
+            block_tables=d32[:nbt].view(num_seqs, max_blocks),
+            query_start_loc=d32[nbt:nbt + num_seqs + 1],
+            seq_lens=d32[nbt + num_seqs + 1:],
             max_query_len=max(q_lens),
             max_seq_len=max(s_lens),
             query_lens_cpu=q_lens,
             seq_lens_cpu=s_lens,
         )
-        return (self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), meta,
-                self._to_device(logits_indices, torch.int64))
+        return d64[:num_tokens], d64[num_tokens:2 * num_tokens], meta, d64[3 * num_tokens:]
+
+    def _graph_logits(self, batch: Sequence[ScheduledRequest], graphs: DecodeGraphs) -> torch.Tensor:
+        """Logits ``[n, vocab]`` of a decode step through the captured graphs."""
+        bs = self.block_size
+        ids, pos, slots, tables, lens = [], [], [], [], []
+        for item in batch:
+            req = item.request
+            p = req.num_computed_tokens
+            ids.append(req.token_ids[p])
+            pos.append(p)
+            slots.append(req.block_table[p // bs] * bs + p % bs)
+            tables.append(req.block_table)
+            lens.append(p + 1)
+        graphs.inputs.fill(ids, pos, slots, tables, lens)
+        return graphs.run(len(batch))
 
     @torch.inference_mode()
     def execute(self, batch: Sequence[ScheduledRequest]) -> list[int | None]:
         """Run one step. Returns, per scheduled request, its sampled token or ``None``
         (a partial prefill chunk samples nothing)."""
-        input_ids, positions, meta, logits_indices = self.prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
         sampled_items = [item for item in batch if item.samples]
+        graphs = self.graphs
+        if graphs is not None and len(batch) <= graphs.max_batch_size and \
+                all(item.num_tokens == 1 and item.samples for item in batch):
+            logits: torch.Tensor | None = self._graph_logits(batch, graphs)
+        else:
+            input_ids, positions, meta, logits_indices = self.prepare(batch)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+            logits = None
+            if sampled_items:
+                if len(sampled_items) < hidden.shape[0]:
+                    hidden = hidden.index_select(0, logits_indices)
+                logits = self.model.compute_logits(hidden)
         tokens: list[int] = []
-        if sampled_items:
-            logits = self.model.compute_logits(hidden.index_select(0, logits_indices))
+        if logits is not None:
             reqs = [item.request for item in sampled_items]
             tokens = self.sampler(logits, [r.request_id for r in reqs], [r.sampling for r in reqs],
                                   [r.token_ids for r in reqs], [r.num_prompt_tokens for r in reqs])

@@ -39,6 +39,7 @@ class TorchAttentionBackend:
     """PyTorch reference backend (CPU and CUDA); the oracle for the Triton one."""
 
     name = "torch"
+    fused_ops: frozenset[str] = frozenset()  # the model runs its plain PyTorch ops
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -55,8 +56,13 @@ class TritonAttentionBackend:
     """Triton kernels on CUDA: KV write and varlen paged attention, CUDA-graph safe."""
 
     name = "triton"
+    #: Fused Triton ops the model uses with this backend (see ``worker/models/llama.py``):
+    #: "rmsnorm" (residual add + RMSNorm), "rotary", "silu_mul". An instance attribute
+    #: so that benchmarks can compare subsets (recapture CUDA graphs after a change).
+    ALL_FUSED_OPS = frozenset({"rmsnorm", "rotary", "silu_mul"})
 
-    def __init__(self) -> None:
+    def __init__(self, fused_ops: frozenset[str] | None = None) -> None:
+        self.fused_ops = self.ALL_FUSED_OPS if fused_ops is None else frozenset(fused_ops)
         from kernels.kv_cache_write import kv_cache_write
         from kernels.paged_attention import paged_attention
 

@@ -7,6 +7,10 @@ states are ``[num_tokens, hidden_size]``. Q/K/V and gate/up projections are fuse
 one matmul each. Rotary embedding is the non-interleaved (rotate-half) form of HF
 transformers, with Llama 3 frequency scaling when the config asks for it.
 
+Fused ops: when the backend names them in ``fused_ops`` (the Triton backend on CUDA),
+the residual-add + RMSNorm, the rotary embedding and SiLU-and-mul run as one Triton
+launch each (``kernels/``); otherwise as plain PyTorch ops, which is the oracle.
+
 Source: Touvron et al., "Llama 2" (2023); Llama 3 rope scaling from Meta's
 reference ``apply_scaling``; layout of fused projections as in vLLM's ``LlamaModel``.
 """
@@ -19,6 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.fused_add_rms_norm import fused_add_rms_norm
+from kernels.rotary import rotary as rotary_fused
+from kernels.silu_and_mul import silu_and_mul
 from worker.models.attention import AttentionBackend, AttentionMetadata
 from worker.models.config import ModelConfig
 
@@ -33,9 +40,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, fused: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(norm(x + residual), x + residual)``; both ``[T, size]``."""
+        if fused and x.dim() == 2:
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps), x
@@ -70,9 +79,11 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, fused: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q [T, H, D]`` and ``k [T, KVH, D]`` by their token positions ``[T]``."""
+        if fused:
+            return rotary_fused(positions, q, k, self.cos, self.sin)  # type: ignore[arg-type]
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -106,7 +117,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q)[0], self.k_norm(k)[0]
-        q, k = rotary(positions, q, k)
+        q, k = rotary(positions, q, k, "rotary" in backend.fused_ops)
         o = backend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -119,8 +130,11 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if fused:
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -135,10 +149,11 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 rotary: Rotary, kv_cache: KVCache, meta: AttentionMetadata,
                 backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.input_layernorm(x, residual)
+        fused = backend.fused_ops
+        h, residual = self.input_layernorm(x, residual, "rmsnorm" in fused)
         h = self.self_attn(h, positions, rotary, kv_cache, meta, backend)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        h, residual = self.post_attention_layernorm(h, residual, "rmsnorm" in fused)
+        return self.mlp(h, "silu_mul" in fused), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -166,7 +181,7 @@ class LlamaForCausalLM(nn.Module):
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta, backend)
-        return self.norm(x, residual)[0]
+        return self.norm(x, residual, "rmsnorm" in backend.fused_ops)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[n, vocab_size]`` float32 for hidden states ``[n, hidden_size]``."""

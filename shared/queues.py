@@ -1,0 +1,247 @@
+"""Queue inspection for operators (``inferq queues``): what sits on each model's request
+stream, who holds it, and which workers are alive.
+
+``snapshot`` reads, per stream ``{ns}:{model}:requests`` (found by SCAN unless models
+are named): XLEN, XINFO GROUPS (group ``workers``), XINFO CONSUMERS, the first pending
+entries (XPENDING with a range) with their delivery counts, and every heartbeat key
+``{ns}:worker:*`` decoded as a ``WorkerStatus``. A consumer without a live heartbeat is
+reported dead: its pending entries wait for a reaper (XAUTOCLAIM) or a failover.
+
+Read-only: nothing here writes to Redis. The reads are not one atomic view (Redis
+moves on between commands), which is fine for an operator's snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+from rich.console import Console
+from rich.table import Table
+
+from shared import protocol
+from shared.keys import CONSUMER_GROUP, Keys
+from shared.protocol import WorkerStatus
+
+#: Pending entries fetched per stream (to count redeliveries) and shown per stream.
+PENDING_SCAN_LIMIT = 1000
+PENDING_SHOW_LIMIT = 20
+
+
+class PendingEntry(msgspec.Struct, kw_only=True):
+    """One delivered, unacknowledged stream entry. ``idle_ms``: since its last delivery."""
+
+    entry_id: str
+    consumer: str
+    idle_ms: int
+    num_deliveries: int
+
+
+class ConsumerInfo(msgspec.Struct, kw_only=True):
+    """One consumer of the group. ``alive``: it has a live heartbeat key."""
+
+    name: str
+    num_pending: int
+    idle_ms: int
+    alive: bool
+
+
+class StreamInfo(msgspec.Struct, kw_only=True):
+    """One model's request stream and its ``workers`` consumer group.
+
+    ``num_waiting`` = entries not yet delivered to a worker: XLEN - pending, exact because
+    workers XDEL every entry they XACK (the gateway's admission uses the same number).
+    ``lag`` and ``entries_read`` come from Redis >= 7 only (None on 6.2).
+    ``num_redelivered`` counts pending entries delivered more than once among the
+    ``num_pending_scanned`` first ones; ``pending`` lists the first few of them.
+    """
+
+    model: str
+    stream: str
+    length: int
+    has_group: bool
+    num_pending: int = 0
+    num_waiting: int = 0
+    last_delivered_id: str = ""
+    entries_read: int | None = None
+    lag: int | None = None
+    consumers: list[ConsumerInfo] = msgspec.field(default_factory=list)
+    dead_consumers: list[str] = msgspec.field(default_factory=list)
+    num_pending_scanned: int = 0
+    num_redelivered: int = 0
+    pending: list[PendingEntry] = msgspec.field(default_factory=list)
+
+
+class WorkerInfo(msgspec.Struct, kw_only=True):
+    """A live worker (its heartbeat key exists). ``heartbeat_age_s``: now - its last update."""
+
+    key: str
+    heartbeat_age_s: float
+    status: WorkerStatus | None  # None: the key's value did not decode
+    error: str = ""
+
+
+class QueueSnapshot(msgspec.Struct, kw_only=True):
+    """Everything ``inferq queues`` shows. ``taken_unix_s``: wall-clock time of the snapshot."""
+
+    namespace: str
+    taken_unix_s: float
+    streams: list[StreamInfo]
+    workers: list[WorkerInfo]
+
+
+def _str(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+async def _stream_names(client: aioredis.Redis, keys: Keys) -> list[str]:
+    pattern = keys.requests_stream("*")
+    names = {_str(k) async for k in client.scan_iter(match=pattern, _type="stream")}
+    return sorted(names)
+
+
+async def _workers(client: aioredis.Redis, keys: Keys, now_unix_s: float) -> list[WorkerInfo]:
+    names = sorted({_str(k) async for k in client.scan_iter(match=keys.worker_pattern())})
+    values = await client.mget(names) if names else []
+    workers = []
+    for key, value in zip(names, values):
+        if value is None:  # expired between SCAN and MGET
+            continue
+        try:
+            status = protocol.decode(value)
+        except protocol.ProtocolError as exc:
+            workers.append(WorkerInfo(key=key, heartbeat_age_s=0.0, status=None, error=str(exc)))
+            continue
+        if not isinstance(status, WorkerStatus):
+            workers.append(WorkerInfo(key=key, heartbeat_age_s=0.0, status=None,
+                                      error=f"holds a {type(status).__name__}"))
+            continue
+        workers.append(WorkerInfo(key=key, heartbeat_age_s=now_unix_s - status.updated_unix_s, status=status))
+    return workers
+
+
+def _live_ids(workers: list[WorkerInfo], keys: Keys) -> set[str]:
+    prefix = keys.worker_key("")
+    ids = {w.key[len(prefix):] for w in workers}
+    ids.update(w.status.worker_id for w in workers if w.status is not None)
+    return ids
+
+
+async def _stream(client: aioredis.Redis, keys: Keys, stream: str, live: set[str],
+                  pending_limit: int) -> StreamInfo:
+    model = stream[len(keys.namespace) + 1:-len(":requests")]
+    length = int(await client.xlen(stream))
+    try:
+        groups = await client.xinfo_groups(stream)
+    except ResponseError:  # no such key (the stream went away since SCAN)
+        groups = []
+    group = next((g for g in groups if _str(g["name"]) == CONSUMER_GROUP), None)
+    if group is None:
+        return StreamInfo(model=model, stream=stream, length=length, has_group=False, num_waiting=length)
+    raw_consumers = await client.xinfo_consumers(stream, CONSUMER_GROUP)
+    consumers = [ConsumerInfo(name=_str(c["name"]), num_pending=int(c["pending"]), idle_ms=int(c["idle"]),
+                              alive=_str(c["name"]) in live) for c in raw_consumers]
+    num_pending = int(group["pending"])
+    raw_pending = await client.xpending_range(stream, CONSUMER_GROUP, "-", "+", pending_limit) if num_pending else []
+    pending = [PendingEntry(entry_id=_str(p["message_id"]), consumer=_str(p["consumer"]),
+                            idle_ms=int(p["time_since_delivered"]), num_deliveries=int(p["times_delivered"]))
+               for p in raw_pending]
+    lag, entries_read = group.get("lag"), group.get("entries-read")
+    return StreamInfo(
+        model=model, stream=stream, length=length, has_group=True, num_pending=num_pending,
+        num_waiting=max(0, length - num_pending), last_delivered_id=_str(group["last-delivered-id"]),
+        entries_read=None if entries_read is None else int(entries_read), lag=None if lag is None else int(lag),
+        consumers=consumers, dead_consumers=[c.name for c in consumers if not c.alive],
+        num_pending_scanned=len(pending), num_redelivered=sum(p.num_deliveries > 1 for p in pending),
+        pending=pending[:PENDING_SHOW_LIMIT])
+
+
+async def snapshot(client: aioredis.Redis, keys: Keys, models: list[str] | None = None, *,
+                   pending_limit: int = PENDING_SCAN_LIMIT, now_unix_s: float | None = None) -> QueueSnapshot:
+    """Read the state of the request streams and the workers.
+
+    ``models``: the models whose streams to read (a missing stream reads as empty);
+    None finds every ``{ns}:*:requests`` stream by SCAN. ``pending_limit``: pending
+    entries fetched per stream to count redeliveries. ``now_unix_s`` (default: now)
+    is the clock heartbeat ages are measured against.
+
+    Raises:
+        redis.exceptions.ConnectionError: Redis unreachable.
+    """
+    now = time.time() if now_unix_s is None else now_unix_s
+    workers = await _workers(client, keys, now)
+    live = _live_ids(workers, keys)
+    names = [keys.requests_stream(m) for m in models] if models is not None else await _stream_names(client, keys)
+    streams = [await _stream(client, keys, name, live, pending_limit) for name in names]
+    return QueueSnapshot(namespace=keys.namespace, taken_unix_s=now, streams=streams, workers=workers)
+
+
+def to_json(snap: QueueSnapshot) -> str:
+    """The snapshot as indented JSON (field names as in the structs)."""
+    return msgspec.json.format(msgspec.json.encode(snap).decode(), indent=2)
+
+
+def render(snap: QueueSnapshot) -> list[Table]:
+    """Rich tables: streams, consumers, first pending entries, workers."""
+    streams = Table(title=f"request streams ({snap.namespace})")
+    for col in ("model", "length", "waiting", "pending", "redelivered", "consumers", "dead", "last delivered"):
+        streams.add_column(col, justify="left" if col in ("model", "last delivered") else "right")
+    consumers = Table(title="consumers (group workers)")
+    for col in ("model", "consumer", "pending", "idle s", "heartbeat"):
+        consumers.add_column(col, justify="right" if col in ("pending", "idle s") else "left")
+    pending = Table(title=f"first pending entries (up to {PENDING_SHOW_LIMIT} per stream)")
+    for col in ("model", "entry", "consumer", "idle s", "deliveries"):
+        pending.add_column(col, justify="right" if col in ("idle s", "deliveries") else "left")
+    for s in snap.streams:
+        redelivered = f"{s.num_redelivered}" + ("+" if s.num_pending_scanned < s.num_pending else "")
+        dead = f"[red]{len(s.dead_consumers)}[/red]" if any(
+            c.num_pending for c in s.consumers if not c.alive) else str(len(s.dead_consumers))
+        streams.add_row(s.model, str(s.length), str(s.num_waiting), str(s.num_pending), redelivered,
+                        str(len(s.consumers)), dead, s.last_delivered_id or ("-" if s.has_group else "no group"))
+        for c in s.consumers:
+            state = "alive" if c.alive else ("[red]dead[/red]" if c.num_pending else "gone")
+            consumers.add_row(s.model, c.name, str(c.num_pending), f"{c.idle_ms / 1000:.1f}", state)
+        for p in s.pending:
+            pending.add_row(s.model, p.entry_id, p.consumer, f"{p.idle_ms / 1000:.1f}", str(p.num_deliveries))
+    workers = Table(title="live workers (heartbeat keys)")
+    for col in ("worker", "model", "backend", "running", "waiting", "kv usage", "heartbeat age s", "pid"):
+        workers.add_column(col, justify="left" if col in ("worker", "model", "backend") else "right")
+    for w in snap.workers:
+        st = w.status
+        if st is None:
+            workers.add_row(w.key, "?", f"[red]{w.error}[/red]", "", "", "", "", "")
+            continue
+        workers.add_row(st.worker_id, st.model, st.backend, str(st.num_running), str(st.num_waiting),
+                        f"{st.kv_usage:.0%}", f"{w.heartbeat_age_s:.1f}", str(st.pid))
+    return [streams, consumers, pending, workers]
+
+
+def queues_command(redis_url: str, namespace: str = "inferq", as_json: bool = False,
+                   models: list[str] | None = None) -> None:
+    """``inferq queues``: print a snapshot as tables (or JSON with ``as_json``).
+
+    Raises:
+        ValueError: empty ``redis_url``.
+        redis.exceptions.ConnectionError: Redis unreachable.
+    """
+    if not redis_url:
+        raise ValueError("inferq queues needs --redis-url (or INFERQ_REDIS_URL)")
+
+    async def take() -> QueueSnapshot:
+        client = aioredis.from_url(redis_url)
+        try:
+            return await snapshot(client, Keys(namespace), models)
+        finally:
+            await client.aclose()
+
+    snap = asyncio.run(take())
+    if as_json:
+        print(to_json(snap))
+        return
+    console = Console()
+    for table in render(snap):
+        console.print(table)

@@ -1,0 +1,105 @@
+"""``shared.queues`` against a real redis-server: a hand-made stream, consumer group,
+pending entries (one redelivered) and heartbeat keys."""
+
+from __future__ import annotations
+
+import json
+
+import redis.asyncio as aioredis
+from rich.console import Console
+
+from shared import protocol
+from shared.keys import CONSUMER_GROUP, STREAM_FIELD, Keys
+from shared.protocol import WorkerStatus
+from shared.queues import queues_command, render, snapshot, to_json
+
+NOW = 1_000_000.0
+KEYS = Keys("tq")
+
+
+def status(worker_id: str, model: str, updated_unix_s: float, running: int = 0) -> bytes:
+    return protocol.encode(WorkerStatus(
+        worker_id=worker_id, model=model, backend="sim", num_running=running, num_waiting=0,
+        kv_usage=running / 4, num_free_blocks=4 - running, block_size=16, max_num_seqs=4,
+        updated_unix_s=updated_unix_s, started_unix_s=updated_unix_s - 10, pid=123))
+
+
+async def populate(client: aioredis.Redis) -> None:
+    """Stream m1: 6 entries; w-live holds 2 (one delivered twice), w-dead holds 1, 3 wait.
+    Stream m2 has no group. Heartbeats: w-live (1.5 s old), w-idle (not a consumer),
+    and one undecodable key."""
+    s1 = KEYS.requests_stream("m1")
+    await client.xgroup_create(s1, CONSUMER_GROUP, id="0", mkstream=True)
+    for i in range(6):
+        await client.xadd(s1, {STREAM_FIELD: b"x%d" % i})
+    await client.xreadgroup(CONSUMER_GROUP, "w-live", {s1: ">"}, count=2)
+    await client.xreadgroup(CONSUMER_GROUP, "w-dead", {s1: ">"}, count=1)
+    first = (await client.xpending_range(s1, CONSUMER_GROUP, "-", "+", 1))[0]["message_id"]
+    await client.xclaim(s1, CONSUMER_GROUP, "w-live", 0, [first])  # a second delivery
+    await client.xadd(KEYS.requests_stream("m2"), {STREAM_FIELD: b"y"})
+    await client.set(KEYS.worker_key("w-live"), status("w-live", "m1", NOW - 1.5, running=2))
+    await client.set(KEYS.worker_key("w-idle"), status("w-idle", "m1", NOW - 0.25))
+    await client.set(KEYS.worker_key("w-bad"), b"not msgpack \xc1")
+    await client.set(Keys("other").worker_key("w-dead"), status("w-dead", "m1", NOW))  # other namespace
+
+
+async def test_snapshot_numbers(redis_server) -> None:
+    client = aioredis.from_url(redis_server.url)
+    try:
+        await populate(client)
+        snap = await snapshot(client, KEYS, None, now_unix_s=NOW)
+    finally:
+        await client.aclose()
+    assert [s.model for s in snap.streams] == ["m1", "m2"]
+    m1, m2 = snap.streams
+    assert (m1.length, m1.num_pending, m1.num_waiting, m1.has_group) == (6, 3, 3, True)
+    assert m1.last_delivered_id and m1.last_delivered_id.count("-") == 1
+    assert {c.name: (c.num_pending, c.alive) for c in m1.consumers} == {"w-live": (2, True), "w-dead": (1, False)}
+    assert m1.dead_consumers == ["w-dead"]
+    assert m1.num_pending_scanned == 3 and m1.num_redelivered == 1
+    deliveries = {p.entry_id: (p.consumer, p.num_deliveries) for p in m1.pending}
+    assert sorted(deliveries.values()) == [("w-dead", 1), ("w-live", 1), ("w-live", 2)]
+    assert (m2.length, m2.has_group, m2.num_waiting, m2.consumers) == (1, False, 1, [])
+    by_key = {w.key: w for w in snap.workers}
+    assert set(by_key) == {"tq:worker:w-live", "tq:worker:w-idle", "tq:worker:w-bad"}
+    live = by_key["tq:worker:w-live"]
+    assert live.status is not None and live.status.num_running == 2 and live.status.kv_usage == 0.5
+    assert abs(live.heartbeat_age_s - 1.5) < 1e-9
+    assert by_key["tq:worker:w-bad"].status is None and by_key["tq:worker:w-bad"].error
+
+
+async def test_named_models_missing_stream_and_json_render(redis_server) -> None:
+    client = aioredis.from_url(redis_server.url)
+    try:
+        await populate(client)
+        snap = await snapshot(client, KEYS, ["m1", "absent"], pending_limit=1, now_unix_s=NOW)
+    finally:
+        await client.aclose()
+    m1, absent = snap.streams
+    assert m1.num_pending_scanned == 1 and len(m1.pending) == 1
+    assert (absent.model, absent.length, absent.has_group) == ("absent", 0, False)
+    decoded = json.loads(to_json(snap))
+    assert decoded["streams"][0]["num_pending"] == 3 and decoded["namespace"] == "tq"
+    console = Console(record=True, width=200)
+    for table in render(snap):
+        console.print(table)
+    text = console.export_text()
+    assert "w-dead" in text and "dead" in text and "w-live" in text and "m1" in text
+
+
+def test_queues_command_prints_json(redis_server, capsys) -> None:
+    import asyncio
+
+    async def setup() -> None:
+        client = aioredis.from_url(redis_server.url)
+        try:
+            await populate(client)
+        finally:
+            await client.aclose()
+
+    asyncio.run(setup())
+    queues_command(redis_server.url, "tq", as_json=True)
+    out = json.loads(capsys.readouterr().out)
+    assert [s["model"] for s in out["streams"]] == ["m1", "m2"]
+    queues_command(redis_server.url, "tq", as_json=False)
+    assert "request streams (tq)" in capsys.readouterr().out

@@ -1,0 +1,109 @@
+"""The whole path on the real model: official openai client -> gateway process -> real
+Redis stream -> worker process (our engine, SmolLM2 float32 on CPU) -> pub/sub -> SSE."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from shared.sampling import SamplingParams
+from tests import processes
+
+pytestmark = pytest.mark.slow
+MODEL = "SmolLM2-135M-Instruct"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, smollm_source) -> Iterator[str]:
+    from shared.embedded_redis import EmbeddedRedis
+
+    logs = tmp_path_factory.mktemp("logs")
+    server = EmbeddedRedis().start()
+    port = processes.free_port()
+    worker = processes.start("worker", server.url, "--max-num-seqs", "16", log_path=logs / "worker.log")
+    gateway = processes.start("gateway", server.url, "--port", str(port), log_path=logs / "gateway.log")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        processes.wait_for_gateway(url, gateway)
+        processes.wait_for_workers(server.url, 1, [worker])
+        yield url
+    finally:
+        assert processes.stop(worker) == 0, (logs / "worker.log").read_text()[-3000:]
+        processes.stop(gateway)
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def offline():
+    from worker.llm import LLM
+
+    return LLM(max_num_seqs=1)
+
+
+def test_chat_answer_names_paris_and_usage_matches(stack, offline, smollm_tokenizer) -> None:
+    client = openai.OpenAI(base_url=f"{stack}/v1", api_key="none")
+    resp = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=32, temperature=0)
+    text = resp.choices[0].message.content
+    assert "Paris" in text and resp.choices[0].finish_reason == "stop"
+    prompt_ids = list(smollm_tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True,
+                                                           tokenize=True)["input_ids"])
+    (expected,) = offline.generate([prompt_ids], SamplingParams(max_tokens=32, temperature=0.0))
+    assert resp.usage.prompt_tokens == len(prompt_ids)
+    assert resp.usage.completion_tokens == len(expected.token_ids)
+    assert resp.usage.total_tokens == len(prompt_ids) + len(expected.token_ids)
+    assert text == expected.text
+
+
+def test_chat_stream_matches_non_stream(stack) -> None:
+    client = openai.OpenAI(base_url=f"{stack}/v1", api_key="none")
+    whole = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=32, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=32, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text and text == whole.choices[0].message.content
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == ["stop"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_sixteen_concurrent_streams_equal_single_greedy(stack, offline) -> None:
+    prompts = [f"Write one sentence about the number {i}." if i % 2 else f"Count from {i} to {i + 5}:"
+               for i in range(16)]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    expected = [offline.generate([p], params)[0] for p in prompts]
+
+    async def one(client: openai.AsyncOpenAI, prompt: str) -> tuple[str, int]:
+        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True})
+        text, usage = "", 0
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+            if chunk.usage:
+                usage = chunk.usage.completion_tokens
+        return text, usage
+
+    async def all_of_them() -> list[tuple[str, int]]:
+        async with openai.AsyncOpenAI(base_url=f"{stack}/v1", api_key="none", max_retries=0) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    results = asyncio.run(all_of_them())
+    for (text, n), exp in zip(results, expected, strict=True):
+        assert text == exp.text
+        assert n == len(exp.token_ids)
+
+
+def test_bad_requests_get_openai_errors(stack) -> None:
+    client = openai.OpenAI(base_url=f"{stack}/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="hi " * 3000, max_tokens=8)
+    assert "max_model_len" in str(err.value) or "context" in str(err.value).lower()
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="hi", max_tokens=4)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=4, temperature=-1)
+    assert err.value.body["param"] == "temperature"

@@ -1,0 +1,144 @@
+"""A model-free backend for load tests of the queue, the worker loop and the gateway.
+
+``SimBackend`` behaves like a continuous-batching engine whose forward pass takes a
+fixed ``step_time_ms``: every step emits one token for each running request, at most
+``max_num_seqs`` requests run at once and the rest wait (FIFO), and ``num_admittable``
+reports free sequence slots, so pull-based balancing across workers holds as it does
+with the real engine.
+
+Outputs are deterministic so tests can detect lost or duplicated tokens: output token
+``i`` of a request is ``prompt_token_ids[i % len(prompt_token_ids)]`` (an echo of the
+prompt, repeated). Stopping follows ``worker.engine.request.Request.append_token``:
+after ``min_tokens`` outputs, a token in ``stop_token_ids`` (or in ``eos_token_ids``
+unless ``ignore_eos``) stops the request with ``stop``; reaching ``max_tokens`` stops
+it with ``length``. With no ``eos_token_ids`` given no token counts as EOS.
+
+KV usage is faked: each sequence slot stands for ``ceil(max_model_len / block_size)``
+blocks, so ``kv_usage = num_running / max_num_seqs``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from shared.protocol import FinishReason
+from shared.sampling import SamplingParams
+from shared.settings import EngineSettings, ModelSettings
+from worker.engine.engine import EngineStats, RequestOutput, RequestRejected
+
+#: Step time when none is given, ms (a small model's decode step on a GPU).
+DEFAULT_STEP_TIME_MS = 20.0
+
+
+@dataclass(slots=True)
+class _SimRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    num_output_tokens: int = 0
+
+    def next_token(self) -> int:
+        return self.prompt_token_ids[self.num_output_tokens % len(self.prompt_token_ids)]
+
+
+class SimBackend:
+    """An ``EngineBackend`` (worker/backends/base.py) without a model. Not
+    thread-safe: like the real engine, call it from one thread at a time."""
+
+    name = "sim"
+
+    def __init__(self, model_settings: ModelSettings, engine_settings: EngineSettings, *,
+                 step_time_ms: float = DEFAULT_STEP_TIME_MS, eos_token_ids: Iterable[int] = ()) -> None:
+        assert step_time_ms >= 0.0, step_time_ms
+        self.block_size = engine_settings.block_size
+        self.max_num_seqs = engine_settings.max_num_seqs
+        self.max_model_len = model_settings.max_model_len
+        self.step_time_ms = step_time_ms
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._blocks_per_seq = -(-self.max_model_len // self.block_size)
+        self._waiting: deque[_SimRequest] = deque()
+        self._running: dict[str, _SimRequest] = {}
+        self._known: set[str] = set()  # ids waiting or running
+        self.num_steps = 0
+
+    # -- requests ---------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        """Queue a request.
+
+        Raises:
+            RequestRejected: empty or too long prompt, bad parameters, duplicate id.
+        """
+        if not prompt_token_ids:
+            raise RequestRejected("empty prompt")
+        if len(prompt_token_ids) + sampling.max_tokens > self.max_model_len:
+            raise RequestRejected(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) "
+                                  f"exceeds max_model_len {self.max_model_len}")
+        if request_id in self._known:
+            raise RequestRejected(f"request {request_id} is already running")
+        try:
+            sampling.validate()
+        except ValueError as exc:
+            raise RequestRejected(str(exc)) from exc
+        self._waiting.append(_SimRequest(request_id, list(prompt_token_ids), sampling))
+        self._known.add(request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a waiting or running request; False when unknown. It emits nothing more."""
+        if request_id not in self._known:
+            return False
+        self._known.discard(request_id)
+        if self._running.pop(request_id, None) is None:
+            self._waiting = deque(r for r in self._waiting if r.request_id != request_id)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._known)
+
+    def num_admittable(self) -> int:
+        """Free sequence slots: ``max_num_seqs`` minus running and waiting requests."""
+        return max(0, self.max_num_seqs - len(self._running) - len(self._waiting))
+
+    # -- the loop ------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Admit waiting requests into free slots, emit one token per running request,
+        and take at least ``step_time_ms`` in all (blocking sleep: call it off the loop)."""
+        start_s = time.perf_counter()
+        while self._waiting and len(self._running) < self.max_num_seqs:
+            request = self._waiting.popleft()
+            self._running[request.request_id] = request
+        outputs = [self._advance(r) for r in self._running.values()]
+        for out in outputs:
+            if out.finish_reason is not None:
+                del self._running[out.request_id]
+                self._known.discard(out.request_id)
+        self.num_steps += 1
+        remaining_s = start_s + self.step_time_ms / 1000 - time.perf_counter()
+        if remaining_s > 0:
+            time.sleep(remaining_s)
+        return outputs
+
+    def _advance(self, request: _SimRequest) -> RequestOutput:
+        token = request.next_token()
+        first_index = request.num_output_tokens
+        request.num_output_tokens += 1
+        params = request.sampling
+        finish: FinishReason | None = None
+        if request.num_output_tokens >= params.min_tokens and (
+                token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)):
+            finish = "stop"
+        elif request.num_output_tokens >= params.max_tokens:
+            finish = "length"
+        return RequestOutput(request.request_id, [token], first_index, finish,
+                             len(request.prompt_token_ids), 0)
+
+    def stats(self) -> EngineStats:
+        """Load snapshot; KV usage is the fraction of sequence slots in use."""
+        num_running = len(self._running)
+        num_blocks = self.max_num_seqs * self._blocks_per_seq
+        return EngineStats(num_running=num_running, num_waiting=len(self._waiting),
+                           kv_usage=num_running / self.max_num_seqs,
+                           num_free_blocks=(self.max_num_seqs - num_running) * self._blocks_per_seq,
+                           num_blocks=num_blocks, num_preemptions=0, prefix_cache_queries=0, prefix_cache_hits=0)
