@@ -68,11 +68,32 @@ async def check_queue(client: aioredis.Redis, stream: str, max_queue_len: int) -
                           code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-async def enqueue(client: aioredis.Redis, stream: str, request: GenerateRequest) -> bytes:
-    """XADD ``request`` to ``stream``; returns the entry id.
+# SET NX the request-id key and XADD in one atomic step: either both happen or neither
+# (a duplicate id adds nothing to the stream).
+_ENQUEUE_ONCE = """
+if redis.call('SET', KEYS[2], '1', 'NX', 'EX', ARGV[2]) then
+  return redis.call('XADD', KEYS[1], '*', ARGV[3], ARGV[1])
+end
+return false
+"""
+
+
+async def enqueue(client: aioredis.Redis, stream: str, request: GenerateRequest,
+                  request_id_key: str | None = None, ttl_s: int = 0) -> bytes:
+    """XADD ``request`` to ``stream``; returns the entry id. With ``request_id_key``
+    (a client-supplied id), the XADD happens only if that key did not exist, and the key
+    is kept for ``ttl_s`` seconds, so the same id sent twice does not run twice.
 
     Raises:
-        OpenAIError: 503 when Redis is unreachable.
+        OpenAIError: 409 duplicate request id; 503 when Redis is unreachable.
     """
+    payload = protocol.encode(request)
     with redis_guard("enqueue"):
-        return await client.xadd(stream, {STREAM_FIELD: protocol.encode(request)})
+        if request_id_key is None:
+            return await client.xadd(stream, {STREAM_FIELD: payload})
+        entry_id = await client.eval(_ENQUEUE_ONCE, 2, stream, request_id_key, payload, max(1, ttl_s),
+                                     STREAM_FIELD)
+    if entry_id is None:
+        raise OpenAIError(409, f"a request with id {request.request_id!r} was already submitted",
+                          param="X-Request-Id", code="duplicate_request")
+    return entry_id

@@ -67,12 +67,14 @@ def create_app(gateway: GatewaySettings, redis: RedisSettings, model: ModelSetti
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = aioredis.from_url(redis.redis_url, socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S)
         gateway_id = secrets.token_hex(8)
-        relay = Relay(client, keys.gateway_channel(gateway_id))
+        relay = Relay(client, keys.gateway_channel(gateway_id),
+                      on_orphan=lambda request_id: state.publish_abort(request_id, "orphaned"))
         state = GatewayState(
             settings=gateway, model_settings=model, served_model_name=served_model_name, source_name=source.name,
             keys=keys, gateway_id=gateway_id, redis=client, relay=relay,
             tokenizer=TokenizerWorker(tokenizer, source.config), metrics=metrics, tasks=BackgroundTasks(),
-            created_unix_s=int(time.time()))
+            created_unix_s=int(time.time()),
+            model_max_positions=int(source.config.get("max_position_embeddings", model.max_model_len)))
         app.state.inferq = state
         relay.start()
         failover = state.tasks.spawn(failover_loop(state), name="failover")
@@ -107,7 +109,7 @@ def create_app(gateway: GatewaySettings, redis: RedisSettings, model: ModelSetti
         check_auth(state, request)
         card = {"id": state.served_model_name, "object": "model", "created": state.created_unix_s,
                 "owned_by": "inferq", "root": state.source_name, "parent": None,
-                "max_model_len": state.model_settings.max_model_len}
+                "max_model_len": state.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.get("/health")

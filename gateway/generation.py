@@ -125,11 +125,11 @@ class Generation:
         if item.finish_reason == "abort":
             self.worker_done = True
             raise OpenAIError(500, "the request was aborted by the worker", code="aborted")
+        if self.message is not None and item.attempt < self.message.attempt:
+            return None  # a late message of an attempt that failover replaced
         if item.first_index > self.received:
             raise OpenAIError(500, f"lost output tokens {self.received}..{item.first_index - 1}",
                               code="missing_tokens")
-        if self.message is not None and item.attempt < self.message.attempt:
-            return None  # a late message of an attempt that failover replaced
         self.worker_id = item.worker_id
         new_ids = item.token_ids[self.received - item.first_index:]
         if item.finish_reason is not None:

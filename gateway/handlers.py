@@ -8,6 +8,7 @@ Order of checks: auth (401), body size (413), body (400), model (404), prompt le
 from __future__ import annotations
 
 import hmac
+import math
 import logging
 import re
 import secrets
@@ -33,8 +34,8 @@ log = logging.getLogger(__name__)
 #: How long a request waits for the relay's subscription before a 503, s.
 RELAY_READY_TIMEOUT_S = 1.0
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-_REJECT_REASONS = {400: "invalid_request", 401: "unauthorized", 404: "unknown_model", 413: "body_too_large",
-                   429: "queue_full", 503: "unavailable"}
+_REJECT_REASONS = {400: "invalid_request", 401: "unauthorized", 404: "unknown_model", 409: "duplicate_request",
+                   413: "body_too_large", 429: "queue_full", 503: "unavailable"}
 
 
 def check_auth(state: GatewayState, request: Request) -> None:
@@ -101,7 +102,7 @@ async def handle_generate(state: GatewayState, request: Request, *, chat: bool) 
         req.check()
         if req.model != state.served_model_name:
             raise OpenAIError(404, f"the model {req.model!r} does not exist", param="model", code="model_not_found")
-        max_len = state.model_settings.max_model_len
+        max_len = state.max_model_len
         if isinstance(req, ChatCompletionRequest):
             prompt_ids = await state.tokenizer.chat_prompt([m.to_template() for m in req.messages])
             param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -156,7 +157,8 @@ async def submit(state: GatewayState, request: Request, request_id: str, prompt_
     try:
         queue = state.relay.register(request_id)
     except KeyError:
-        raise OpenAIError(400, f"request {request_id} is already in flight", param="X-Request-Id") from None
+        raise OpenAIError(409, f"request {request_id} is already in flight", param="X-Request-Id",
+                          code="duplicate_request") from None
     now_unix_s = time.time()
     deadline_s = arrival_s + state.settings.request_timeout_s
     message = GenerateRequest(
@@ -164,7 +166,10 @@ async def submit(state: GatewayState, request: Request, request_id: str, prompt_
         reply_channel=state.relay.channel, deadline_unix_s=now_unix_s + (deadline_s - time.monotonic()),
         attempt=0, created_unix_s=now_unix_s)
     try:
-        entry_id = await enqueue(state.redis, state.stream, message)
+        client_id = request.headers.get("x-request-id") is not None
+        entry_id = await enqueue(state.redis, state.stream, message,
+                                 state.keys.request_id_key(request_id) if client_id else None,
+                                 math.ceil(state.settings.request_timeout_s))
     except BaseException:
         state.relay.unregister(request_id)
         raise

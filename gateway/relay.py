@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -25,6 +27,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds one ``get_message`` waits before the loop checks again.
 _POLL_TIMEOUT_S = 1.0
+#: How many orphaned request ids the relay remembers having asked to abort.
+_ORPHANS_KEPT = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +55,7 @@ class Relay:
     """
 
     def __init__(self, client: aioredis.Redis, channel: str, *, backoff_initial_s: float = 0.05,
-                 backoff_max_s: float = 2.0) -> None:
+                 backoff_max_s: float = 2.0, on_orphan: Callable[[str], None] | None = None) -> None:
         self._client = client
         self.channel = channel
         self._entries: dict[str, _Entry] = {}
@@ -62,6 +66,11 @@ class Relay:
         self.num_reconnects = 0
         self._subscribed = False
         self.num_dropped = 0
+        # Tokens for a request this gateway no longer waits on mean a worker still runs
+        # it (its abort was lost, e.g. Redis was down): ``on_orphan`` asks for another
+        # abort, once per request id (the last ``_ORPHANS_KEPT`` ids are remembered).
+        self._on_orphan = on_orphan
+        self._orphans: OrderedDict[str, None] = OrderedDict()
 
     # -- requests ---------------------------------------------------------------
     def register(self, request_id: str, attempt: int = 0) -> asyncio.Queue[RelayItem]:
@@ -175,6 +184,12 @@ class Relay:
         entry = self._entries.get(msg.request_id)
         if entry is None or msg.attempt < entry.attempt:
             self.num_dropped += 1
+            if (entry is None and isinstance(msg, TokenMessage) and msg.finish_reason is None
+                    and self._on_orphan is not None and msg.request_id not in self._orphans):
+                self._orphans[msg.request_id] = None
+                if len(self._orphans) > _ORPHANS_KEPT:
+                    self._orphans.popitem(last=False)
+                self._on_orphan(msg.request_id)
             return
         entry.queue.put_nowait(msg)
 

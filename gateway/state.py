@@ -40,8 +40,15 @@ class GatewayState:
     metrics: GatewayMetrics
     tasks: BackgroundTasks
     created_unix_s: int
+    model_max_positions: int
     #: In-flight requests of this gateway, by request id (the failover monitor's view).
     generations: dict[str, Generation] = field(default_factory=dict)
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt + output, tokens: the setting, capped by the model's
+        ``max_position_embeddings`` exactly as the engine caps it."""
+        return min(self.model_settings.max_model_len, self.model_max_positions)
 
     @property
     def stream(self) -> str:

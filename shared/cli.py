@@ -135,7 +135,7 @@ def worker_cmd(model: ModelSettings, engine: EngineSettings, redis_settings: Red
 
     try:
         asyncio.run(serve_worker(worker, redis_settings, model, engine))
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):
         pass
 
 

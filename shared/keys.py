@@ -9,6 +9,7 @@ deployments can share one Redis. The TTLs that go with some keys live here too.
 | ``{ns}:gateway:{gateway_id}`` | pub/sub channel | workers (token/error messages) | the gateway that owns the requests |
 | ``{ns}:control`` | pub/sub channel | gateways (aborts) | every worker |
 | ``{ns}:worker:{worker_id}`` | string with TTL | worker (heartbeat + status) | gateways, ``inferq queues`` |
+| ``{ns}:request-id:{request_id}`` | string with TTL | gateway (SET NX with the XADD) | gateways (duplicate check) |
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ class Keys:
     def worker_key(self, worker_id: str) -> str:
         """Heartbeat key of one worker; its value is an encoded ``WorkerStatus``."""
         return f"{self.namespace}:worker:{worker_id}"
+
+    def request_id_key(self, request_id: str) -> str:
+        """Marks a client-supplied request id as submitted, for the request's timeout
+        (idempotent submission: the same id is not run twice)."""
+        return f"{self.namespace}:request-id:{request_id}"
 
     def worker_pattern(self) -> str:
         """SCAN pattern that matches every worker heartbeat key."""

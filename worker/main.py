@@ -40,6 +40,9 @@ async def serve_worker(worker: WorkerSettings, redis_settings: RedisSettings, mo
                      worker.worker_id or default_worker_id(), backend, worker.drain_timeout_s)
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, service.drain)
+    main_task = asyncio.current_task()
+    assert main_task is not None
+    loop.add_signal_handler(signal.SIGINT, main_task.cancel)  # Ctrl-C: stop now, no drain
     metrics_server = None
     if worker.metrics_port:
         from worker.metrics import start_metrics_server

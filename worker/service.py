@@ -79,6 +79,7 @@ class Worker:
         self._next_reap_s = 0.0
         self.num_steps = 0
         self.num_reclaimed = 0
+        self._backlog: list[RequestOutput] = []
 
     def drain(self) -> None:
         """Stop pulling; ``run`` returns once every held request is finished, or after
@@ -91,14 +92,14 @@ class Worker:
     async def run(self) -> None:
         """Serve until drained. Background tasks are awaited and their errors raised."""
         await self._ensure_group()
-        tasks = [asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+        main = asyncio.create_task(self._main_loop(), name="main")
+        tasks = [main, asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
                  asyncio.create_task(self._control_loop(), name="control")]
         try:
-            main = asyncio.create_task(self._main_loop(), name="main")
-            done, _ = await asyncio.wait([main, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 task.result()  # surface a crashed background task
-        finally:
+        finally:  # also on cancellation (SIGINT): stop everything, drop the heartbeat
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -125,8 +126,14 @@ class Worker:
                         self._next_reap_s = time.monotonic() + REAP_INTERVAL_S
                         await self.reap()
                     await self._pull(block_ms=None if busy else IDLE_BLOCK_MS)
+                if self._backlog:  # outputs a Redis error kept from being published
+                    await self._publish([])
                 if self.backend.has_unfinished_requests():
-                    outputs = await asyncio.to_thread(self.backend.step)
+                    try:
+                        outputs = await asyncio.to_thread(self.backend.step)
+                    except Exception as exc:  # noqa: BLE001 - reported to every client, then go on
+                        await self._fail_all(exc)
+                        continue
                     self.num_steps += 1
                     await self._publish(outputs)
             except RedisError as exc:
@@ -237,10 +244,28 @@ class Worker:
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.xack(self.stream, CONSUMER_GROUP, entry_id)
             pipe.xdel(self.stream, entry_id)
-            await pipe.execute()
+            await pipe.execute(raise_on_error=False)  # NOGROUP after a restart: nothing to ack
 
-    async def _publish(self, outputs: list[RequestOutput]) -> None:
-        """One pipeline: a PUBLISH per request with new tokens, XACK + XDEL per finished one."""
+    async def _fail_all(self, exc: Exception) -> None:
+        """The engine raised: abort every request it holds and tell each client (500)."""
+        log.exception("engine step failed; failing %d requests", len(self.inflight), exc_info=exc)
+        for request_id, info in list(self.inflight.items()):
+            self.backend.abort(request_id)
+            error = ErrorMessage(request_id=request_id, attempt=info.attempt, worker_id=self.worker_id,
+                                 status=500, message=f"engine error: {type(exc).__name__}: {exc}")
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.publish(info.reply_channel, protocol.encode(error))
+                pipe.xack(self.stream, CONSUMER_GROUP, info.entry_id)
+                pipe.xdel(self.stream, info.entry_id)
+                await pipe.execute()
+            del self.inflight[request_id]
+
+    async def _publish(self, new_outputs: list[RequestOutput]) -> None:
+        """One pipeline: a PUBLISH per request with new tokens, XACK + XDEL per finished
+        one. Outputs that a Redis error kept from going out stay in ``_backlog`` and go
+        first next time, so a blip loses no tokens."""
+        outputs = self._backlog + new_outputs
+        self._backlog = outputs
         if not outputs:
             return
         sent: list[tuple[str, bool]] = []
@@ -259,12 +284,18 @@ class Worker:
                 if finished:
                     pipe.xack(self.stream, CONSUMER_GROUP, info.entry_id)
                     pipe.xdel(self.stream, info.entry_id)
-            results = await pipe.execute()
+            # Per-command errors (XACK after a Redis restart lost the group: NOGROUP) must
+            # not make the PUBLISHes go out again; a lost connection still raises here.
+            results = await pipe.execute(raise_on_error=False)
+        self._backlog = []
         # Results come back in command order: a PUBLISH, then (for finished) XACK, XDEL.
         pos = 0
         for request_id, finished in sent:
             receivers = results[pos]
             pos += 3 if finished else 1
+            if isinstance(receivers, Exception):
+                log.warning("publish for %s failed: %s", request_id, receivers)
+                continue
             if finished:
                 self.inflight.pop(request_id, None)
             elif receivers == 0:

@@ -14,6 +14,8 @@ with PagedAttention" (SOSP 2023); vLLM v1 ``KVCacheManager``.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -32,8 +34,13 @@ class Block:
 
 
 def block_hash(parent_hash: int, token_ids: tuple[int, ...]) -> int:
-    """Hash of a full block given its parent's hash (``NO_HASH`` for the first block)."""
-    return hash((parent_hash, token_ids))
+    """128-bit BLAKE2b hash of a full block chained on its parent's hash (``NO_HASH``
+    for the first block). Wide enough that a collision, which would silently reuse
+    another prefix's KV, is not a practical concern (Python's 64-bit ``hash`` is not)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent_hash.to_bytes(16, "little", signed=True))
+    h.update(array("q", token_ids).tobytes())
+    return int.from_bytes(h.digest(), "little", signed=True)
 
 
 class BlockManager:
@@ -96,8 +103,6 @@ class BlockManager:
                 break
             found.append(block_id)
             parent = h
-        self.num_prefix_queries += max_blocks * self.block_size
-        self.num_prefix_hits += len(found) * self.block_size
         return found
 
     def allocate_prefix(self, request: Request, block_ids: list[int]) -> None:
@@ -112,6 +117,12 @@ class BlockManager:
         request.num_computed_tokens = len(block_ids) * self.block_size
         request.num_cached_tokens = request.num_computed_tokens
         self._hashes[request.request_id] = [self.blocks[b].hash for b in block_ids]
+
+    def record_admission(self, request: Request) -> None:
+        """Count an admitted request's prompt lookup in the hit-rate counters (tokens)."""
+        if self.enable_prefix_caching:
+            self.num_prefix_queries += request.num_tokens
+            self.num_prefix_hits += request.num_cached_tokens
 
     # -- allocation --------------------------------------------------------------
     def allocate(self, request: Request, num_new_tokens: int) -> None:

@@ -139,6 +139,7 @@ class Scheduler:
                     raise RuntimeError(f"request {request.request_id} needs more KV blocks than exist")
                 break
             bm.allocate(request, num_new)
+            bm.record_admission(request)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
