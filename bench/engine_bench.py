@@ -247,9 +247,12 @@ class Bench:
             bm.reset_prefix_cache()
             bm.enable_prefix_caching = on
             shared = rand_prompt(1000, self.vocab, self.rng)
-            self._ttft([shared + rand_prompt(24, self.vocab, self.rng)])  # prime (and warm up)
-            out["on" if on else "off"] = self._ttft([shared + rand_prompt(24, self.vocab, self.rng)
-                                                     for _ in range(32)])
+            self._ttft([shared + rand_prompt(24, self.vocab, self.rng)])  # prime the cache
+            # Warm-up round first: short queries over a long cached context compile
+            # their own Triton specialisation (about a second, once per process).
+            for _ in range(2):
+                out["on" if on else "off"] = self._ttft([shared + rand_prompt(24, self.vocab, self.rng)
+                                                         for _ in range(32)])
         bm.enable_prefix_caching = True
         out["ttft_saving"] = round(1 - out["on"]["mean_ms"] / out["off"]["mean_ms"], 3)
         self.res["prefix"] = out

@@ -46,7 +46,7 @@ def _parameters(classes: tuple[type, ...]) -> list[inspect.Parameter]:
         for f in dataclasses.fields(cls):
             hint = hints[f.name]
             annotation: Any = Optional[list[str]] if typing.get_origin(hint) is tuple else Optional[hint]
-            flag = "--" + f.name.replace("_", "-")
+            flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
             option = typer.Option(None, flag, help=f"{f.metadata.get('help', '')} [env {ENV_PREFIX}{f.name.upper()}; "
                                                    f"default {f.default!r}]", show_default=False)
             params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option,

@@ -88,8 +88,9 @@ class GatewaySettings:
 
     host: str = field(default="127.0.0.1", metadata=_doc("Address the gateway listens on"))
     port: int = field(default=8000, metadata=_doc("Port the gateway listens on"))
-    api_keys: tuple[str, ...] = field(default=(), metadata=_doc(
-        "Accepted bearer tokens, comma-separated in the variable (none: no auth)"))
+    api_keys: tuple[str, ...] = field(default=(), metadata={
+        "help": "Accepted bearer tokens: repeat --api-key; comma-separated in the variable (none: no auth)",
+        "flag": "--api-key"})
     max_queue_len: int = field(default=1000, metadata=_doc("Queued requests per model above which new ones get 429"))
     request_timeout_s: float = field(default=600.0, metadata=_doc("Deadline of a request from arrival, seconds"))
     max_body_bytes: int = field(default=4 * 1024**2, metadata=_doc("Largest request body, bytes (413 above)"))
