@@ -171,7 +171,7 @@ class Bench:
                 print(rows[-1], flush=True)
         runner.graphs = graphs
         self.res["decode"] = rows
-        if graphs is None or runner.backend.name != "triton":
+        if graphs is None or runner.backend.name != "triton" or not self.args.fused_ab:
             return
         # Fused ops A/B: recapture with a subset, time batch 1 and 64.
         backend = runner.backend
@@ -334,6 +334,8 @@ def main() -> None:
     ap.add_argument("--sections", default=ALL_SECTIONS)
     ap.add_argument("--out", default="bench/results/engine_h100.json")
     ap.add_argument("--max-num-seqs", type=int, default=128)
+    ap.add_argument("--no-fused-ab", dest="fused_ab", action="store_false",
+                    help="skip the fused-ops A/B of the decode section (5 recaptures)")
     args = ap.parse_args()
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     bench = Bench(args)

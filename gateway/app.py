@@ -12,14 +12,26 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway.errors import OpenAIError, install_error_handlers
 from gateway.failover import failover_loop
 from gateway.handlers import check_auth, handle_generate
 from gateway.metrics import GatewayMetrics
+from gateway.openapi import (
+    ChatCompletion,
+    Completion,
+    Health,
+    ModelList,
+    error_responses,
+    generation_extra,
+    generation_responses,
+    install_openapi,
+)
+from gateway.queue_metrics import queue_metrics_loop
 from gateway.relay import Relay
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.state import GatewayState
 from gateway.tasks import BackgroundTasks
 from gateway.tokenize import TokenizerWorker
@@ -78,32 +90,37 @@ def create_app(gateway: GatewaySettings, redis: RedisSettings, model: ModelSetti
         app.state.inferq = state
         relay.start()
         failover = state.tasks.spawn(failover_loop(state), name="failover")
+        queue_metrics = state.tasks.spawn(queue_metrics_loop(state), name="queue-metrics")
         log.info("gateway %s serving %r from stream %s", gateway_id, served_model_name, state.stream)
         try:
             yield
         finally:
             failover.cancel()
+            queue_metrics.cancel()
             await relay.stop()
             await state.tasks.close()
             state.tokenizer.close()
             await client.aclose()
 
-    app = FastAPI(title="inferq", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="inferq", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.metrics = metrics
     install_error_handlers(app)
+    install_openapi(app)
 
     def get_state(request: Request) -> GatewayState:
         return request.app.state.inferq  # type: ignore[no-any-return]
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=generation_responses(Completion),
+              openapi_extra=generation_extra(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await handle_generate(get_state(request), request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=generation_responses(ChatCompletion),
+              openapi_extra=generation_extra(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await handle_generate(get_state(request), request, chat=True)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={200: {"model": ModelList}, **error_responses(401)})
     async def list_models(request: Request) -> Response:
         state = get_state(request)
         check_auth(state, request)
@@ -112,7 +129,7 @@ def create_app(gateway: GatewaySettings, redis: RedisSettings, model: ModelSetti
                 "max_model_len": state.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"model": Health}, **error_responses(503)})
     async def health(request: Request) -> Response:
         state = get_state(request)
         try:
@@ -121,7 +138,8 @@ def create_app(gateway: GatewaySettings, redis: RedisSettings, model: ModelSetti
             return OpenAIError(503, f"Redis is unavailable: {exc!r}", code="redis_unavailable").response()
         return JSONResponse({"status": "ok", "relay_subscribed": state.relay.ready.is_set()})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text format"}})
     async def metrics_endpoint() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

@@ -8,16 +8,19 @@ silently ignored.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.errors import OpenAIError, validation_error
 from shared.sampling import InvalidParameter, SamplingParams
 
 #: Default ``max_tokens`` of /v1/completions (OpenAI's).
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+#: An integer that reaches the worker as is: msgspec (the wire) and torch (seeds) take 64 bits
+#: at most, so a larger one must be a 400 here rather than an OverflowError (500) at the XADD.
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
 
 class StreamOptions(BaseModel):
@@ -28,17 +31,19 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     """Fields shared by both endpoints (OpenAI's plus vLLM's sampling extras)."""
 
-    model_config = ConfigDict(extra="ignore")
+    # JSON has no NaN or Infinity; pydantic would parse them, and the range checks of
+    # ``SamplingParams.validate`` let an infinite penalty through to the sampler.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     repetition_penalty: float | None = None

@@ -73,12 +73,13 @@ class GatewayState:
         m, name = self.metrics, self.served_model_name
         m.requests_in_flight.labels(name).dec()
         m.generation_tokens.labels(name).inc(gen.num_output_tokens)
-        if gen.first_token_s is not None:
-            m.time_to_first_token.labels(name).observe(gen.first_token_s - gen.arrival_s)
+        ttft_s = None if gen.first_token_s is None else gen.first_token_s - gen.arrival_s
+        if ttft_s is not None:
+            m.time_to_first_token.labels(name).observe(ttft_s)
         for gap_s in gen.token_gaps_s:
             m.inter_token_latency.labels(name).observe(gap_s)
         if gen.finish_reason is not None:
             m.request_success.labels(name, gen.finish_reason).inc()
-            m.e2e_request_latency.labels(name).observe(time.monotonic() - gen.arrival_s)
+            m.observe_finished(ttft_s, time.monotonic() - gen.arrival_s, gen.num_output_tokens)
         elif gen.error is not None:
             m.request_errors.labels(name, str(gen.error.status)).inc()

@@ -302,12 +302,25 @@ def _attention_config(dtype: torch.dtype, qpk: int, num_seqs: int, num_kv_heads:
     splits, and the kernel masks by the real lengths it reads on the device.
     """
     tile = 32 if dtype == torch.float32 else 64
+    num_stages = 2
     if max_query_len <= 1:
         block_m, num_warps = max(16, _next_pow2(qpk)), 4
         block_q = 1
-        # Flash-decoding: split each sequence's keys so that small batches fill the GPU.
         work = max(num_seqs * num_kv_heads, 1)
-        splits = min(-(-2 * num_sms // work), -(-max_seq_len // _MIN_KEYS_PER_SPLIT), _MAX_SPLITS)
+        if dtype == torch.float32:
+            splits = min(-(-2 * num_sms // work), -(-max_seq_len // _MIN_KEYS_PER_SPLIT), _MAX_SPLITS)
+        elif work >= num_sms:
+            # The batch fills the GPU: no split; long tiles and a deeper pipeline hide
+            # the gather latency (H100 sweep, bench/results/attn_sweep_h100.json:
+            # batch 64 x 330 keys 28.0 -> 20.2 us, batch 64 x 2048 keys 116.5 -> 97.4 us).
+            tile, num_stages, splits = 128, 3, 1
+        else:
+            # Flash-decoding: split each sequence's keys so that small batches fill the
+            # GPU; short contexts take short tiles so that each split has work (batch 1
+            # x 330 keys: 6.2 us with 32-key tiles and 8 splits).
+            tile, min_keys = (32, 32) if max_seq_len <= 1024 else (128, 256)
+            num_warps = 4 if tile == 32 else 8
+            splits = min(-(-2 * num_sms // work), -(-max_seq_len // min_keys), _MAX_SPLITS)
         splits = max(splits, 1)
     else:
         big = dtype != torch.float32 and max_query_len * qpk >= 512
@@ -316,7 +329,7 @@ def _attention_config(dtype: torch.dtype, qpk: int, num_seqs: int, num_kv_heads:
         block_q = block_m // qpk
         splits = 1
     return {"BLOCK_M": block_m, "BLOCK_Q": block_q, "TILE": tile, "NUM_SPLITS": splits,
-            "num_warps": num_warps, "num_stages": 2}
+            "num_warps": num_warps, "num_stages": num_stages}
 
 
 _SM_COUNT: dict[int, int] = {}

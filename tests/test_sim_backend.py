@@ -119,3 +119,13 @@ def test_step_takes_step_time() -> None:
     start = time.perf_counter()
     run_all(backend)
     assert time.perf_counter() - start >= 3 * 0.030
+
+
+def test_resume_continues_the_echo_and_counts_against_max_tokens() -> None:
+    backend = make()
+    backend.add_request("a", [5, 6, 7], SamplingParams(max_tokens=5), output_token_ids=[5, 6])
+    outs = run_all(backend)["a"]
+    assert [(o.first_index, o.new_token_ids[0]) for o in outs] == [(2, 7), (3, 5), (4, 6)]
+    assert outs[-1].finish_reason == "length"
+    with pytest.raises(RequestRejected, match="resumed"):
+        backend.add_request("b", [5], SamplingParams(max_tokens=2), output_token_ids=[5, 5])

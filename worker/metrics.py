@@ -1,20 +1,64 @@
 """Prometheus metrics of one worker, served on its own port (``--metrics-port``).
 
 Values are read from the engine at scrape time by a custom collector, so the step
-loop pays nothing for them. Names follow vLLM's where they exist, under ``inferq:``.
+loop pays nothing for them. Names follow vLLM's where they exist, under ``inferq:``;
+labels are ``model_name`` and ``worker_id``. Token counts and request latencies are
+the gateway's (it sees every request end to end); the worker exports what only it
+knows: its engine's queues, KV cache, prefix cache and preemptions, and the entries it
+reclaimed from dead workers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the engine module imports torch; the compose test reads FAMILIES without it
+    from worker.engine.engine import EngineStats
     from worker.service import Worker
+
+LABELS = ["model_name", "worker_id"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Family:
+    """One exported family: ``name`` without the counter's ``_total``; ``read`` takes
+    the worker and a stats snapshot taken once per scrape."""
+
+    name: str
+    kind: str  # "gauge" | "counter"
+    doc: str
+    read: Callable[[Worker, EngineStats], float]
+
+
+FAMILIES = (
+    _Family("inferq:num_requests_running", "gauge", "Requests in the engine's running set",
+            lambda w, s: s.num_running),
+    _Family("inferq:num_requests_waiting", "gauge", "Requests admitted but waiting for KV blocks",
+            lambda w, s: s.num_waiting),
+    _Family("inferq:kv_cache_usage_perc", "gauge", "Fraction of KV-cache blocks in use (0..1)",
+            lambda w, s: s.kv_usage),
+    _Family("inferq:kv_cache_num_blocks", "gauge", "KV-cache blocks in all", lambda w, s: s.num_blocks),
+    _Family("inferq:num_preemptions", "counter", "Requests preempted (KV recomputed later)",
+            lambda w, s: s.num_preemptions),
+    _Family("inferq:prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache",
+            lambda w, s: s.prefix_cache_queries),
+    _Family("inferq:prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache",
+            lambda w, s: s.prefix_cache_hits),
+    _Family("inferq:num_reclaimed", "counter", "Stream entries this worker claimed from dead workers",
+            lambda w, s: w.num_reclaimed),
+    _Family("inferq:engine_steps", "counter", "Engine steps run", lambda w, s: w.num_steps),
+)
+
+
+def exported_names() -> list[str]:
+    """Every family a worker exports, as the exposition names it (counters end in ``_total``)."""
+    return sorted(f.name + "_total" if f.kind == "counter" else f.name for f in FAMILIES)
 
 
 class WorkerCollector(Collector):
@@ -25,33 +69,18 @@ class WorkerCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         w = self.worker
-        s = w.backend.stats()
-        labels = ["model", "worker_id"]
+        stats = w.backend.stats()
         values = [w.model, w.worker_id]
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=labels)
-            g.add_metric(values, value)
-            return g
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric(values, value)
-            return c
-
-        yield gauge("inferq:num_requests_running", "Requests in the engine's running set", s.num_running)
-        yield gauge("inferq:num_requests_waiting", "Requests admitted but waiting for KV blocks", s.num_waiting)
-        yield gauge("inferq:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1)", s.kv_usage)
-        yield gauge("inferq:kv_cache_num_blocks", "KV-cache blocks in all", s.num_blocks)
-        yield counter("inferq:num_preemptions", "Requests preempted (recompute)", s.num_preemptions)
-        yield counter("inferq:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                      s.prefix_cache_queries)
-        yield counter("inferq:prefix_cache_hits", "Prompt tokens found in the prefix cache", s.prefix_cache_hits)
-        yield counter("inferq:engine_steps", "Engine steps run", w.num_steps)
+        for f in FAMILIES:
+            cls = GaugeMetricFamily if f.kind == "gauge" else CounterMetricFamily
+            family = cls(f.name, f.doc, labels=LABELS)
+            family.add_metric(values, f.read(w, stats))
+            yield family
 
 
 def start_metrics_server(port: int, worker: Worker) -> Any:
-    """Serve ``/metrics`` for ``worker`` on ``port`` in a daemon thread; returns the server."""
+    """Serve ``/metrics`` for ``worker`` on ``port`` (all interfaces, so Prometheus can
+    reach a container) in a daemon thread; returns the server."""
     registry = CollectorRegistry()
     registry.register(WorkerCollector(worker))
     server, _thread = start_http_server(port, registry=registry)

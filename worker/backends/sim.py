@@ -8,7 +8,8 @@ with the real engine.
 
 Outputs are deterministic so tests can detect lost or duplicated tokens: output token
 ``i`` of a request is ``prompt_token_ids[i % len(prompt_token_ids)]`` (an echo of the
-prompt, repeated). Stopping follows ``worker.engine.request.Request.append_token``:
+prompt, repeated; ``i`` counts from the start of the output, also for a request
+resumed after failover, so a resumed stream continues the same echo). Stopping follows ``worker.engine.request.Request.append_token``:
 after ``min_tokens`` outputs, a token in ``stop_token_ids`` (or in ``eos_token_ids``
 unless ``ignore_eos``) stops the request with ``stop``; reaching ``max_tokens`` stops
 it with ``length``. With no ``eos_token_ids`` given no token counts as EOS.
@@ -65,12 +66,19 @@ class SimBackend:
         self.num_steps = 0
 
     # -- requests ---------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
-        """Queue a request.
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                    output_token_ids: list[int] | None = None) -> None:
+        """Queue a request; ``output_token_ids`` resumes one whose first outputs were
+        already delivered (failover): they count against ``max_tokens`` and the next
+        token's index (and echo position) is ``len(output_token_ids)``.
 
         Raises:
-            RequestRejected: empty or too long prompt, bad parameters, duplicate id.
+            RequestRejected: empty or too long prompt, bad parameters, duplicate id, or
+                a resumed request with nothing left to generate.
         """
+        num_resumed = len(output_token_ids or ())
+        if num_resumed >= sampling.max_tokens:
+            raise RequestRejected(f"resumed with {num_resumed} output tokens of max_tokens {sampling.max_tokens}")
         if not prompt_token_ids:
             raise RequestRejected("empty prompt")
         if len(prompt_token_ids) + sampling.max_tokens > self.max_model_len:
@@ -82,7 +90,7 @@ class SimBackend:
             sampling.validate()
         except ValueError as exc:
             raise RequestRejected(str(exc)) from exc
-        self._waiting.append(_SimRequest(request_id, list(prompt_token_ids), sampling))
+        self._waiting.append(_SimRequest(request_id, list(prompt_token_ids), sampling, num_resumed))
         self._known.add(request_id)
 
     def abort(self, request_id: str) -> bool:

@@ -125,7 +125,7 @@ class ModelRunner:
             tables.append(req.block_table)
             lens.append(p + 1)
         graphs.inputs.fill(ids, pos, slots, tables, lens)
-        return graphs.run(len(batch))
+        return graphs.run(len(batch), max(lens))
 
     @torch.inference_mode()
     def execute(self, batch: Sequence[ScheduledRequest]) -> list[int | None]:

@@ -1,0 +1,92 @@
+"""Sweep the decode launch config of the Triton paged-attention kernel (tile, warps,
+stages, splits) at a few batch/context points, timed as CUDA-graph replays so host
+launch cost is excluded. Qwen2.5-7B head shape. Prints the best config per point.
+
+    python -m bench.attn_sweep --out bench/results/attn_sweep_h100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+import kernels.paged_attention as pa
+
+
+def time_us(fn, reps: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+    s.record()
+    for _ in range(5):
+        g.replay()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) * 1e3 / (5 * reps)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    nh, nkv, d, bs = 28, 4, 128, 16
+    dev, dt = "cuda", torch.bfloat16
+    results = []
+    base_cfg = pa._attention_config
+    for batch, ctx in ((1, 330), (8, 330), (64, 330), (128, 330), (64, 2048), (1, 4096)):
+        blocks_per_seq = -(-ctx // bs)
+        # Each call reads its own blocks, spread over a cache >> L2 so L2 does not flatter.
+        num_blocks = batch * blocks_per_seq * 4
+        kc = torch.randn(num_blocks, bs, nkv, d, device=dev, dtype=dt)
+        vc = torch.randn_like(kc)
+        tables = torch.randperm(num_blocks, device=dev)[:batch * blocks_per_seq].view(batch, blocks_per_seq).int()
+        q = torch.randn(batch, nh, d, device=dev, dtype=dt)
+        qsl = torch.arange(batch + 1, device=dev, dtype=torch.int32)
+        lens = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
+        out = torch.empty_like(q)
+        ref = pa.paged_attention_ref(q.float(), kc.float(), vc.float(), tables, qsl, lens, d ** -0.5)
+        default = base_cfg(dt, nh // nkv, batch, nkv, 1, ctx, pa._num_sms(q.device))
+        rows = []
+        for tile, warps, stages, splits in itertools.product((32, 64, 128), (4, 8), (2, 3), (1, 2, 4, 8)):
+            if splits > 1 and -(-ctx // tile) < splits:
+                continue
+            cfg = dict(default, TILE=tile, num_warps=warps, num_stages=stages, NUM_SPLITS=splits)
+            pa._attention_config = lambda *a, cfg=cfg: cfg  # noqa: E731
+            try:
+                fn = lambda: pa.paged_attention(q, kc, vc, tables, qsl, lens, d ** -0.5, out,  # noqa: E731
+                                                max_query_len=1, max_seq_len=ctx)
+                us = time_us(fn)
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+            except Exception as exc:  # noqa: BLE001 - a config that does not compile
+                rows.append({"tile": tile, "warps": warps, "stages": stages, "splits": splits, "error": repr(exc)[:80]})
+                continue
+            finally:
+                pa._attention_config = base_cfg
+            rows.append({"tile": tile, "warps": warps, "stages": stages, "splits": splits, "us": round(us, 2),
+                         "rel_err": err})
+        ok = [r for r in rows if "us" in r and r["rel_err"] < 1e-2]
+        best = min(ok, key=lambda r: r["us"])
+        cur = next((r for r in ok if r["tile"] == default["TILE"] and r["warps"] == default["num_warps"]
+                    and r["stages"] == default["num_stages"] and r["splits"] == default["NUM_SPLITS"]), None)
+        kv_bytes = batch * ctx * nkv * d * 2 * 2
+        point = {"batch": batch, "ctx": ctx, "default": cur, "best": best, "kv_bytes": kv_bytes,
+                 "best_gbps": round(kv_bytes / best["us"] / 1e3, 1), "top5": sorted(ok, key=lambda r: r["us"])[:5]}
+        print(json.dumps({k: v for k, v in point.items() if k != "top5"}), flush=True)
+        results.append(point)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

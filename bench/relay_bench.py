@@ -1,0 +1,432 @@
+"""Relay load bench: how many tokens/s one gateway process delivers, and how much latency
+the Redis + gateway path adds per token, with model-free sim workers.
+
+Starts an embedded Redis, ``--num-workers`` sim workers (``SimBackend``: one token per
+running request per ``--step-time-ms`` step, the echo of the prompt) and one gateway
+process, then runs two phases of streaming ``/v1/completions`` requests with token-id
+prompts (``ignore_eos``):
+
+- ``light``: a few concurrent streams, so nothing queues: the per-token relay latency
+  (worker publish -> client receive) of an unloaded gateway;
+- ``load``: ``--num-requests`` streams at once: the relay capacity (output tokens/s
+  delivered to clients) and the latency under that load.
+
+Every stream's text must equal the decoded echo and its usage ``completion_tokens``
+must equal ``max_tokens``: a lost or duplicated token fails the request.
+
+Per-token latency: the bench's worker launcher (``python -m bench.relay_bench worker``)
+wraps ``Worker._publish`` and records ``time.time()`` just before each step's publish
+pipeline, per (request, first_index); the client records ``time.time()`` per content
+chunk. Prompt tokens are words that each decode on their own, so chunk ``i`` is output
+token ``i``. All processes share one host clock, so the difference is exact up to
+scheduling. (Across hosts this needs a ``sent_unix_s`` field on ``TokenMessage``.)
+
+Usage: ``python -m bench.relay_bench`` (run) or ``python -m bench.relay_bench worker ...``
+(one sim worker; the run starts these itself). Results: JSON + a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "SmolLM2-135M-Instruct"
+
+
+# -- the sim worker launcher ---------------------------------------------------------
+def worker_main(args: argparse.Namespace) -> None:
+    """One sim worker with publish timestamps; SIGTERM drains, then timings are written
+    as JSON ``{request_id: [[first_index, publish_unix_s], ...]}`` to ``--timings-path``."""
+    import logging
+
+    import redis.asyncio as aioredis
+
+    from shared.keys import Keys
+    from shared.model_source import resolve_model
+    from shared.settings import EngineSettings, ModelSettings
+    from worker.backends.sim import SimBackend
+    from worker.engine.engine import RequestOutput
+    from worker.service import Worker
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    eos = resolve_model(MODEL).config.get("eos_token_id", [])
+    backend = SimBackend(ModelSettings(max_model_len=args.max_model_len),
+                         EngineSettings(max_num_seqs=args.max_num_seqs), step_time_ms=args.step_time_ms,
+                         eos_token_ids=eos if isinstance(eos, list) else [eos])
+    timings: dict[str, list[tuple[int, float]]] = {}
+
+    class TimedWorker(Worker):
+        async def _publish(self, outputs: list[RequestOutput]) -> None:
+            now = time.time()
+            for out in outputs:
+                timings.setdefault(out.request_id, []).append((out.first_index, now))
+            await super()._publish(outputs)
+
+    async def serve() -> None:
+        client = aioredis.from_url(args.redis_url)
+        service = TimedWorker(client, Keys(args.namespace), MODEL, args.worker_id, backend)
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, service.drain)
+        try:
+            await service.run()
+        finally:
+            await client.aclose()
+
+    asyncio.run(serve())
+    Path(args.timings_path).write_text(json.dumps(timings))
+
+
+# -- processes -------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with open(log_path, "ab") as log:
+        return subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def stop(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return int(proc.returncode)
+
+
+# -- prompts -------------------------------------------------------------------------
+def word_token_ids(tokenizer: Any, limit: int = 4000) -> list[int]:
+    """Ids of tokens that decode on their own to `` word`` (space + 3-8 lowercase
+    letters): each output token then yields exactly one text chunk."""
+    ids = []
+    for token_id in range(1000, tokenizer.vocab_size):
+        if re.fullmatch(r" [a-z]{3,8}", tokenizer.decode([token_id])):
+            ids.append(token_id)
+            if len(ids) == limit:
+                break
+    return ids
+
+
+def echo(prompt: list[int], max_tokens: int) -> list[int]:
+    """What the sim backend answers: output token i = prompt[i % len(prompt)]."""
+    return [prompt[i % len(prompt)] for i in range(max_tokens)]
+
+
+# -- client ------------------------------------------------------------------------------
+@dataclass(slots=True)
+class StreamResult:
+    request_id: str
+    prompt: list[int]
+    ok: bool = False
+    error: str = ""
+    text: str = ""
+    completion_tokens: int = -1
+    recv_unix_s: list[float] = field(default_factory=list)  # one per non-empty content chunk
+    start_unix_s: float = 0.0
+
+
+async def one_stream(client: Any, url: str, model: str, rid: str, prompt: list[int], max_tokens: int) -> StreamResult:
+    import msgspec
+
+    res = StreamResult(request_id="cmpl-" + rid, prompt=prompt)
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    texts: list[str] = []
+    res.start_unix_s = time.time()
+    try:
+        async with client.stream("POST", url, json=body, headers={"X-Request-Id": rid}) as resp:
+            if resp.status_code != 200:
+                res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = msgspec.json.decode(data)
+                if "error" in chunk:
+                    res.error = f"stream error: {chunk['error']}"
+                    return res
+                if chunk.get("usage"):
+                    res.completion_tokens = chunk["usage"]["completion_tokens"]
+                for choice in chunk.get("choices") or []:
+                    if choice.get("text"):
+                        res.recv_unix_s.append(time.time())
+                        texts.append(choice["text"])
+    except Exception as exc:  # noqa: BLE001 - record and go on: a failed stream is a result
+        res.error = f"{type(exc).__name__}: {exc}"
+        return res
+    res.text = "".join(texts)
+    res.ok = True
+    return res
+
+
+async def run_phase(base_url: str, prompts: dict[str, list[int]], max_tokens: int,
+                    timeout_s: float = 120.0) -> tuple[list[StreamResult], float]:
+    """All ``prompts`` at once (one stream each); returns results and wall seconds.
+
+    Raises:
+        TimeoutError: the phase took longer than ``timeout_s`` (a stuck stream).
+    """
+    import httpx
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=len(prompts))
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s)) as client:
+        start = time.perf_counter()
+        streams = (one_stream(client, base_url + "/v1/completions", MODEL, rid, p, max_tokens)
+                   for rid, p in prompts.items())
+        results = await asyncio.wait_for(asyncio.gather(*streams), timeout_s)
+        return list(results), time.perf_counter() - start
+
+
+# -- analysis ------------------------------------------------------------------------------
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def dist_ms(values_s: list[float]) -> dict[str, float]:
+    ms = [v * 1000 for v in values_s]
+    return {"mean": statistics.fmean(ms) if ms else float("nan"), "p50": pct(ms, 50), "p90": pct(ms, 90),
+            "p99": pct(ms, 99), "max": max(ms) if ms else float("nan"), "n": len(ms)}
+
+
+def analyse(results: list[StreamResult], wall_s: float, max_tokens: int, tokenizer: Any,
+            publish: dict[str, dict[int, float]]) -> dict[str, Any]:
+    """Correctness counts, throughput and latency of one phase."""
+    failures: dict[str, int] = {}
+    recv_all: list[float] = []
+    itls: list[float] = []
+    relay: list[float] = []
+    ttfts: list[float] = []
+    for r in results:
+        expected = echo(r.prompt, max_tokens)
+        problem = r.error.split(":")[0] if r.error else ""
+        if not problem and r.completion_tokens != max_tokens:
+            problem = f"usage {r.completion_tokens} != {max_tokens}"
+        if not problem and r.text != tokenizer.decode(expected):
+            problem = "text != echo (lost or duplicated tokens)"
+        if not problem and len(r.recv_unix_s) != max_tokens:
+            problem = f"{len(r.recv_unix_s)} content chunks != {max_tokens}"
+        if problem:
+            failures[problem] = failures.get(problem, 0) + 1
+            r.ok = False
+            continue
+        recv_all.extend(r.recv_unix_s)
+        ttfts.append(r.recv_unix_s[0] - r.start_unix_s)
+        itls.extend(b - a for a, b in zip(r.recv_unix_s, r.recv_unix_s[1:]))
+        sent = publish.get(r.request_id, {})
+        relay.extend(t - sent[i] for i, t in enumerate(r.recv_unix_s) if i in sent)
+    recv_all.sort()
+    n = len(recv_all)
+    lo, hi = recv_all[n // 10] if n else 0.0, recv_all[(9 * n) // 10] if n else 0.0
+    return {
+        "num_requests": len(results), "completed": sum(r.ok for r in results),
+        "failed": len(results) - sum(r.ok for r in results), "failures": failures,
+        "output_tokens": n, "wall_s": wall_s,
+        "output_tokens_per_s": n / wall_s if wall_s else 0.0,
+        # Rate between the 10th and 90th percentile of token receive times: the steady
+        # state, without the admission ramp at the start and the tail at the end.
+        "steady_output_tokens_per_s": (0.8 * n) / (hi - lo) if hi > lo else float("nan"),
+        "ttft_ms": dist_ms(ttfts), "client_itl_ms": dist_ms(itls), "relay_latency_ms": dist_ms(relay),
+    }
+
+
+# -- the run -------------------------------------------------------------------------------
+def wait_ready(base_url: str, redis_url: str, num_workers: int, procs: list[subprocess.Popen[bytes]],
+               timeout_s: float = 180.0) -> None:
+    import httpx
+    import redis
+
+    from shared.keys import Keys
+
+    client = redis.from_url(redis_url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if any(p.poll() is not None for p in procs):
+                raise RuntimeError("a child process exited during start-up (see the logs)")
+            try:
+                healthy = httpx.get(base_url + "/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                healthy = False
+            if healthy and len(list(client.scan_iter(Keys().worker_pattern()))) >= num_workers:
+                return
+            time.sleep(0.3)
+    finally:
+        client.close()
+    raise TimeoutError("gateway or workers did not come up")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import redis
+    from transformers import AutoTokenizer
+
+    from shared.embedded_redis import EmbeddedRedis
+    from shared.model_source import resolve_model
+
+    loadavg_before = os.getloadavg()  # other work on the host skews every number here
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(MODEL).path))
+    pool = word_token_ids(tokenizer)
+    rng = random.Random(args.seed)
+    logs = Path(args.log_dir)
+    logs.mkdir(parents=True, exist_ok=True)
+    server = EmbeddedRedis().start()
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    gateway = spawn(["-m", "shared.cli", "gateway", "--redis-url", server.url, "--port", str(port),
+                     "--max-queue-len", "100000", "--log-level", "warning"], logs / "gateway.log")
+    workers = [spawn(["-m", "bench.relay_bench", "worker", "--redis-url", server.url, "--worker-id", f"sim-{i}",
+                      "--step-time-ms", str(args.step_time_ms), "--max-num-seqs", str(args.max_num_seqs),
+                      "--timings-path", str(logs / f"timings-{i}.json")], logs / f"worker-{i}.log")
+               for i in range(args.num_workers)]
+    procs = [gateway, *workers]
+    phases: dict[str, Any] = {}
+    try:
+        wait_ready(base_url, server.url, args.num_workers, procs)
+        redis_pid = int(redis.from_url(server.url).info("server")["process_id"])
+        asyncio.run(run_phase(base_url, {f"warm-{i}": rng.sample(pool, args.prompt_len) for i in range(8)}, 8,
+                              args.phase_timeout_s))
+        raw: dict[str, tuple[list[StreamResult], float, dict[str, float]]] = {}
+        for name, count in (("light", args.light_requests), ("load", args.num_requests)):
+            prompts = {f"{name}-{i}": rng.sample(pool, args.prompt_len) for i in range(count)}
+            pids = {"gateway": gateway.pid, "redis": redis_pid, **{f"worker-{i}": w.pid for i, w in enumerate(workers)}}
+            cpu0 = {k: cpu_s(p) for k, p in pids.items()}
+            client0 = time.process_time()
+            results, wall_s = asyncio.run(run_phase(base_url, prompts, args.max_tokens, args.phase_timeout_s))
+            cpu = {k: cpu_s(p) - cpu0[k] for k, p in pids.items()}
+            cpu["client"] = time.process_time() - client0
+            raw[name] = (results, wall_s, cpu)
+            time.sleep(0.5)
+    finally:
+        codes = [stop(w) for w in workers]
+        stop(gateway)
+        server.close()
+    publish: dict[str, dict[int, float]] = {}
+    for i in range(args.num_workers):
+        path = logs / f"timings-{i}.json"
+        if path.exists():
+            for rid, pairs in json.loads(path.read_text()).items():
+                publish.setdefault(rid, {}).update({int(k): t for k, t in pairs})
+    for name, (results, wall_s, cpu) in raw.items():
+        phase = analyse(results, wall_s, args.max_tokens, tokenizer, publish)
+        workers_cpu = sum(v for k, v in cpu.items() if k.startswith("worker-"))
+        phase["cpu_s"] = {"gateway": cpu["gateway"], "redis": cpu["redis"], "workers": workers_cpu,
+                          "client": cpu["client"]}
+        phase["gateway_cpu_us_per_token"] = 1e6 * cpu["gateway"] / max(1, phase["output_tokens"])
+        phase["num_concurrent"] = len(results)
+        phases[name] = phase
+    return {
+        "bench": "relay_sim", "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "command": "python -m bench.relay_bench " + " ".join(sys.argv[1:]),
+        "device": f"{platform.node()}: {os.cpu_count()} CPU cores shared by the gateway, Redis, "
+                  f"{args.num_workers} sim workers and the load client (no GPU)",
+        "host_loadavg_before": [round(x, 2) for x in loadavg_before],
+        "config": {k: v for k, v in vars(args).items() if k not in ("cmd", "log_dir", "out", "timings_path")},
+        "worker_exit_codes": codes, "phases": phases,
+        "notes": NOTES,
+    }
+
+
+NOTES = [
+    ("relay_latency = client receive time - the worker's time.time() just before its publish pipeline (one host "
+     "clock): Redis pub/sub + gateway relay, detokenization and SSE + client parsing; under overload, queueing"),
+    ("capacity = steady_output_tokens_per_s of the load phase; gateway_cpu_us_per_token = the gateway process's "
+     "CPU per delivered token (1e6 / it ~ tokens/s one dedicated core could relay)"),
+    "all processes share the host's CPU cores: the client and sim workers take CPU the gateway would otherwise get",
+]
+
+
+def print_table(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"relay bench (sim workers) - {result['device']}")
+    table.add_column("metric")
+    for name in result["phases"]:
+        table.add_column(f"{name} ({result['phases'][name]['num_concurrent']} streams)", justify="right")
+    rows = [("completed / failed", lambda p: f"{p['completed']} / {p['failed']}"),
+            ("output tokens", lambda p: str(p["output_tokens"])),
+            ("wall s", lambda p: f"{p['wall_s']:.2f}"),
+            ("tokens/s (all)", lambda p: f"{p['output_tokens_per_s']:.0f}"),
+            ("tokens/s (steady 10-90%)", lambda p: f"{p['steady_output_tokens_per_s']:.0f}"),
+            ("gateway CPU us/token", lambda p: f"{p['gateway_cpu_us_per_token']:.0f}"),
+            ("CPU s gw/redis/workers/client", lambda p: "/".join(f"{v:.1f}" for v in p["cpu_s"].values())),
+            ("TTFT ms p50 / p99", lambda p: f"{p['ttft_ms']['p50']:.1f} / {p['ttft_ms']['p99']:.1f}"),
+            ("client ITL ms p50 / p99", lambda p: f"{p['client_itl_ms']['p50']:.1f} / {p['client_itl_ms']['p99']:.1f}"),
+            ("relay latency ms p50 / p90 / p99",
+             lambda p: "{p50:.2f} / {p90:.2f} / {p99:.2f}".format(**p["relay_latency_ms"]))]
+    for label, fmt in rows:
+        table.add_row(label, *(fmt(p) for p in result["phases"].values()))
+    Console().print(table)
+    for name, p in result["phases"].items():
+        if p["failures"]:
+            print(f"{name} failures: {p['failures']}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd")
+    w = sub.add_parser("worker", help="one sim worker with publish timestamps (started by the run)")
+    w.add_argument("--redis-url", required=True)
+    w.add_argument("--namespace", default="inferq")
+    w.add_argument("--worker-id", default="")
+    w.add_argument("--step-time-ms", type=float, default=10.0)
+    w.add_argument("--max-num-seqs", type=int, default=256)
+    w.add_argument("--max-model-len", type=int, default=2048)
+    w.add_argument("--timings-path", required=True)
+    parser.add_argument("--num-workers", type=int, default=4)
+    parser.add_argument("--step-time-ms", type=float, default=10.0)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--num-requests", type=int, default=1000, help="concurrent streams of the load phase")
+    parser.add_argument("--light-requests", type=int, default=20, help="concurrent streams of the light phase")
+    parser.add_argument("--prompt-len", type=int, default=16, help="tokens")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--phase-timeout-s", type=float, default=120.0)
+    parser.add_argument("--log-dir", default="/tmp/inferq-relay-bench")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "relay_sim.json"))
+    args = parser.parse_args(argv)
+    if args.cmd == "worker":
+        worker_main(args)
+        return
+    result = run(args)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print_table(result)
+    print(f"wrote {args.out}")
+    ok = all(p["failed"] == 0 for p in result["phases"].values())
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""The gateway's OpenAPI schema (``GET /openapi.json``).
+
+The generation handlers read the raw ``Request`` (so that every validation failure is
+an OpenAI-style 400, not FastAPI's 422), which leaves FastAPI nothing to infer request
+bodies from. Here the bodies are attached by hand (``openapi_extra`` naming the pydantic
+models of gateway/schemas.py, whose JSON schemas ``install_openapi`` adds to the
+components), and the responses are documented with small models that mirror
+gateway/responses.py and gateway/errors.py. These models only document: nothing
+validates responses against them at run time (tests/test_gateway_fuzz.py does).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
+
+_REF_TEMPLATE = "#/components/schemas/{model}"
+_BODY_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest)
+
+
+class ErrorObject(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every non-2xx answer: ``{"error": {...}}`` (gateway/errors.py)."""
+
+    error: ErrorObject
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: str | None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None
+    finish_reason: str | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    parent: None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    relay_subscribed: bool
+
+
+_ERRORS = {
+    400: "Invalid body, field or X-Request-Id, or the prompt does not fit the context",
+    401: "API keys are configured and the bearer token is missing or wrong",
+    404: "Unknown model",
+    409: "A request with this X-Request-Id is already in flight",
+    413: "Body larger than the gateway's max_body_bytes",
+    429: "Queue full (Retry-After says when to retry)",
+    500: "The worker aborted the request",
+    503: "Redis or the reply channel is unavailable",
+    504: "The request's deadline passed",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """FastAPI ``responses=`` entries: the OpenAI error object for each status."""
+    return {s: {"model": ErrorResponse, "description": _ERRORS[s]} for s in statuses}
+
+
+def generation_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` of a generation endpoint: ``model`` as JSON, or an SSE stream."""
+    # Before OpenAPI 3.2 (``itemSchema``), the ``schema`` of an event stream describes one event.
+    event = {"type": "object", "required": ["data"], "properties": {"data": {
+        "type": "string", "description": "One JSON chunk, an {\"error\": ...} object, or [DONE] (the last event)"}}}
+    ok = {"model": model, "description": "The whole output, or (stream=true) Server-Sent Events ending in [DONE]",
+          "content": {"text/event-stream": {"schema": event}}}
+    return {200: ok, **error_responses(400, 401, 404, 409, 413, 429, 500, 503, 504)}
+
+
+def generation_extra(body: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra=`` of a generation endpoint: its JSON body and X-Request-Id."""
+    request_id = {"name": "X-Request-Id", "in": "header", "required": False,
+                  "description": "Client request id: a second request with the same id while the first is "
+                                 "in flight is a 409",
+                  "schema": {"type": "string", "pattern": r"^[A-Za-z0-9._:\-]{1,128}$"}}
+    return {"parameters": [request_id],
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": {"$ref": _REF_TEMPLATE.format(model=body.__name__)}}}}}
+
+
+def install_openapi(app: FastAPI) -> None:
+    """Make ``app.openapi()`` add the request-body models and bearer auth to the schema
+    FastAPI generates (it is built once, on the first ``GET /openapi.json``)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {})
+            schemas = components.setdefault("schemas", {})
+            for model in _BODY_MODELS:
+                body = model.model_json_schema(ref_template=_REF_TEMPLATE)
+                schemas.update(body.pop("$defs", {}))
+                schemas[model.__name__] = body
+            # Optional: a gateway without api_keys takes requests without a token.
+            components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+            schema["security"] = [{}, {"bearer": []}]
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
