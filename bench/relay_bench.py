@@ -35,16 +35,15 @@ import platform
 import random
 import re
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.procs import ROOT, cpu_s, free_port, redis_pid, spawn, start, stop, wait_for_gateway, wait_for_workers
+
 MODEL = "SmolLM2-135M-Instruct"
 
 
@@ -88,36 +87,6 @@ def worker_main(args: argparse.Namespace) -> None:
 
     asyncio.run(serve())
     Path(args.timings_path).write_text(json.dumps(timings))
-
-
-# -- processes -------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with open(log_path, "ab") as log:
-        return subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def stop(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return int(proc.returncode)
 
 
 # -- prompts -------------------------------------------------------------------------
@@ -262,33 +231,7 @@ def analyse(results: list[StreamResult], wall_s: float, max_tokens: int, tokeniz
 
 
 # -- the run -------------------------------------------------------------------------------
-def wait_ready(base_url: str, redis_url: str, num_workers: int, procs: list[subprocess.Popen[bytes]],
-               timeout_s: float = 180.0) -> None:
-    import httpx
-    import redis
-
-    from shared.keys import Keys
-
-    client = redis.from_url(redis_url)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while time.monotonic() < deadline:
-            if any(p.poll() is not None for p in procs):
-                raise RuntimeError("a child process exited during start-up (see the logs)")
-            try:
-                healthy = httpx.get(base_url + "/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                healthy = False
-            if healthy and len(list(client.scan_iter(Keys().worker_pattern()))) >= num_workers:
-                return
-            time.sleep(0.3)
-    finally:
-        client.close()
-    raise TimeoutError("gateway or workers did not come up")
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    import redis
     from transformers import AutoTokenizer
 
     from shared.embedded_redis import EmbeddedRedis
@@ -303,8 +246,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     server = EmbeddedRedis().start()
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
-    gateway = spawn(["-m", "shared.cli", "gateway", "--redis-url", server.url, "--port", str(port),
-                     "--max-queue-len", "100000", "--log-level", "warning"], logs / "gateway.log")
+    gateway = start("gateway", server.url, "--port", str(port), "--max-queue-len", "100000",
+                    "--log-level", "warning", log_path=logs / "gateway.log")
     workers = [spawn(["-m", "bench.relay_bench", "worker", "--redis-url", server.url, "--worker-id", f"sim-{i}",
                       "--step-time-ms", str(args.step_time_ms), "--max-num-seqs", str(args.max_num_seqs),
                       "--timings-path", str(logs / f"timings-{i}.json")], logs / f"worker-{i}.log")
@@ -312,14 +255,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     procs = [gateway, *workers]
     phases: dict[str, Any] = {}
     try:
-        wait_ready(base_url, server.url, args.num_workers, procs)
-        redis_pid = int(redis.from_url(server.url).info("server")["process_id"])
+        wait_for_workers(server.url, args.num_workers, procs, timeout_s=180.0)
+        wait_for_gateway(base_url, gateway, timeout_s=180.0)
+        server_pid = redis_pid(server.url)
         asyncio.run(run_phase(base_url, {f"warm-{i}": rng.sample(pool, args.prompt_len) for i in range(8)}, 8,
                               args.phase_timeout_s))
         raw: dict[str, tuple[list[StreamResult], float, dict[str, float]]] = {}
         for name, count in (("light", args.light_requests), ("load", args.num_requests)):
             prompts = {f"{name}-{i}": rng.sample(pool, args.prompt_len) for i in range(count)}
-            pids = {"gateway": gateway.pid, "redis": redis_pid, **{f"worker-{i}": w.pid for i, w in enumerate(workers)}}
+            pids = {"gateway": gateway.pid, "redis": server_pid, **{f"worker-{i}": w.pid for i, w in enumerate(workers)}}
             cpu0 = {k: cpu_s(p) for k, p in pids.items()}
             client0 = time.process_time()
             results, wall_s = asyncio.run(run_phase(base_url, prompts, args.max_tokens, args.phase_timeout_s))

@@ -8,12 +8,18 @@ Usage::
 
 Prints a progress bar while running and a table at the end, and writes vLLM-compatible JSON
 under ``--result-dir`` unless ``--no-save-result``.
+
+Sweep: give several comma-separated values to ``--concurrency`` (alias of ``--max-concurrency``)
+or to ``--request-rate`` (one of the two per run), e.g. ``--concurrency 1,4,16,64`` or
+``--request-rate 1,2,4,inf``. Each value runs one benchmark of ``--num-prompts`` requests; the
+sweep writes into ``--result-dir``/``<label or sweep>-<concurrency|rate>``: one JSON per point
+(``concurrency-4.json``, vLLM's fields), ``sweep.json`` (settings and a row per point) and PNG
+plots (throughput, TTFT and ITL distributions, goodput under the ``--goodput`` SLO).
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -23,6 +29,7 @@ import typer
 from bench.loadgen.config import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, BenchConfig
 from bench.loadgen.report import print_report
 from bench.loadgen.runner import run_benchmark
+from bench.loadgen.sweep import CONCURRENCY_AXIS, RATE_AXIS, SweepPlan, print_sweep, run_sweep
 
 app = typer.Typer(add_completion=False, help=__doc__)
 
@@ -53,6 +60,48 @@ def parse_percentiles(text: str) -> tuple[float, ...]:
         raise typer.BadParameter(f"percentiles {text!r} must be comma-separated numbers") from exc
 
 
+def parse_values(text: str, what: str) -> tuple[float, ...]:
+    """``"1,2,4,inf"`` -> ``(1.0, 2.0, 4.0, inf)``: the values of ``--request-rate`` or ``--concurrency``."""
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError as exc:
+        raise typer.BadParameter(f"{what} {text!r} must be comma-separated numbers") from exc
+    if not values:
+        raise typer.BadParameter(f"{what} is empty")
+    return values
+
+
+def sweep_plan(rates: tuple[float, ...], concurrencies: tuple[float, ...] | None) -> SweepPlan | None:
+    """The sweep the two options ask for, or None for a single run (one value each).
+
+    Raises ``typer.BadParameter`` when both have several values, or a value is out of range.
+    """
+    if len(rates) > 1 and concurrencies is not None and len(concurrencies) > 1:
+        raise typer.BadParameter("sweep either --concurrency or --request-rate, not both")
+    try:
+        if len(rates) > 1:
+            return SweepPlan(RATE_AXIS, rates)
+        if concurrencies is not None and len(concurrencies) > 1:
+            return SweepPlan(CONCURRENCY_AXIS, concurrencies)
+    except AssertionError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    return None
+
+
+def run_sweep_and_save(cfg: BenchConfig, plan: SweepPlan, result_dir: Path, save_result: bool) -> None:
+    """Run the sweep, print its table, and (if ``save_result``) write JSON files and plots."""
+    from bench.loadgen.plots import write_plots
+
+    sweep = asyncio.run(run_sweep(cfg, plan))
+    print_sweep(sweep)
+    if not save_result:
+        return
+    out_dir = result_dir / f"{cfg.label or 'sweep'}-{plan.stem}"
+    plots = write_plots(sweep, out_dir)
+    summary = sweep.save(out_dir, [p.name for p in plots])
+    typer.echo(f"saved {summary} and {len(sweep.points)} point files, plots: {', '.join(p.name for p in plots)}")
+
+
 def expand_multi_value_args(argv: list[str]) -> list[str]:
     """Turn ``--goodput a b`` into ``--goodput a --goodput b`` (click has no nargs='+')."""
     out: list[str] = []
@@ -80,8 +129,17 @@ def main(
     random_output_len: Annotated[int, typer.Option(help="max_tokens per request.")] = 128,
     random_range_ratio: Annotated[float, typer.Option(help="Lengths uniform in [L*(1-r), L*(1+r)].")] = 0.0,
     num_prompts: Annotated[int, typer.Option(help="Number of requests.")] = 1000,
-    max_concurrency: Annotated[int | None, typer.Option(help="Cap on in-flight requests; default none.")] = None,
-    request_rate: Annotated[float, typer.Option(help="Requests/s (Poisson); inf sends all at once.")] = math.inf,
+    max_concurrency: Annotated[
+        str | None,
+        typer.Option(
+            "--max-concurrency",
+            "--concurrency",
+            help="Cap on in-flight requests; default none. Several (1,4,16,64): a sweep.",
+        ),
+    ] = None,
+    request_rate: Annotated[
+        str, typer.Option(help="Requests/s (Poisson); inf sends all at once. Several (1,2,4,inf): a sweep.")
+    ] = "inf",
     burstiness: Annotated[float, typer.Option(help="Gamma shape of arrival gaps; 1 = Poisson.")] = 1.0,
     ignore_eos: Annotated[bool, typer.Option(help="Send ignore_eos: true.")] = False,
     seed: Annotated[int, typer.Option(help="Seed for prompts and arrivals.")] = 0,
@@ -97,9 +155,16 @@ def main(
     save_result: Annotated[bool, typer.Option(help="Write the result JSON.")] = True,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
-    """Run the benchmark, print the table, save the JSON."""
+    """Run the benchmark (or a sweep), print the table, save the JSON (and a sweep's plots)."""
     if endpoint == CHAT_ENDPOINT and not tokenizer:
         raise typer.BadParameter("the chat endpoint needs --tokenizer to build text prompts")
+    rates = parse_values(request_rate, "--request-rate")
+    concurrencies = parse_values(max_concurrency, "--max-concurrency") if max_concurrency else None
+    plan = sweep_plan(rates, concurrencies)
+    if plan is not None and result_filename:
+        raise typer.BadParameter("a sweep names its own files; use --result-dir and --label")
+    if concurrencies is not None and not all(c.is_integer() for c in concurrencies):
+        raise typer.BadParameter("--max-concurrency values must be whole numbers")
     try:
         cfg = BenchConfig(
             base_url=base_url,
@@ -110,8 +175,8 @@ def main(
             random_output_len=random_output_len,
             random_range_ratio=random_range_ratio,
             num_prompts=num_prompts,
-            max_concurrency=max_concurrency,
-            request_rate_per_s=request_rate,
+            max_concurrency=int(concurrencies[0]) if concurrencies else None,
+            request_rate_per_s=rates[0],
             burstiness=burstiness,
             ignore_eos=ignore_eos,
             seed=seed,
@@ -124,6 +189,9 @@ def main(
         )
     except AssertionError as exc:
         raise typer.BadParameter(str(exc)) from exc
+    if plan is not None:
+        run_sweep_and_save(cfg, plan, result_dir, save_result)
+        return
     result = asyncio.run(run_benchmark(cfg))
     print_report(result)
     if save_result:

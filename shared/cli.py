@@ -1,5 +1,6 @@
 """The ``inferq`` command: ``serve`` (embedded Redis + worker + gateway), ``gateway``,
-``worker``, and ``settings`` (print the settings table).
+``worker``, ``queues`` (inspect streams, pending entries and workers) and ``settings``
+(print the settings table).
 
 Every settings field becomes a flag (``--max-num-seqs``) whose default is unset, so the
 precedence flag > ``INFERQ_*`` variable > dataclass default is applied in one place
@@ -47,6 +48,8 @@ def _parameters(classes: tuple[type, ...]) -> list[inspect.Parameter]:
             hint = hints[f.name]
             annotation: Any = Optional[list[str]] if typing.get_origin(hint) is tuple else Optional[hint]
             flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+            if hint is bool:  # --x / --no-x, as vLLM spells its switches
+                flag = f"{flag}/--no-{flag[2:]}"
             option = typer.Option(None, flag, help=f"{f.metadata.get('help', '')} [env {ENV_PREFIX}{f.name.upper()}; "
                                                    f"default {f.default!r}]", show_default=False)
             params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option,
@@ -54,17 +57,19 @@ def _parameters(classes: tuple[type, ...]) -> list[inspect.Parameter]:
     return params
 
 
-def settings_command(name: str, *classes: type) -> Callable[[Callable[..., None]], Callable[..., None]]:
-    """Register ``fn(*settings)`` as command ``name`` with a flag per settings field."""
+def settings_command(name: str, *classes: type, extra: tuple[inspect.Parameter, ...] = ()
+                     ) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Register ``fn(*settings, **extra)`` as command ``name`` with a flag per settings
+    field, plus the command's own options ``extra`` (passed as keywords)."""
 
     def decorate(fn: Callable[..., None]) -> Callable[..., None]:
         def command(**kwargs: Any) -> None:
             logging.basicConfig(level=kwargs.pop("log_level").upper(),
                                 format="%(asctime)s %(levelname)s %(name)s: %(message)s")
             built = [build(cls, {f.name: kwargs[f.name] for f in dataclasses.fields(cls)}) for cls in classes]
-            fn(*built)
+            fn(*built, **{p.name: kwargs[p.name] for p in extra})
 
-        command.__signature__ = inspect.Signature(_parameters(classes))  # type: ignore[attr-defined]
+        command.__signature__ = inspect.Signature([*_parameters(classes), *extra])  # type: ignore[attr-defined]
         command.__doc__ = fn.__doc__
         command.__name__ = name
         app.command(name)(command)
@@ -137,6 +142,26 @@ def worker_cmd(model: ModelSettings, engine: EngineSettings, redis_settings: Red
         asyncio.run(serve_worker(worker, redis_settings, model, engine))
     except (KeyboardInterrupt, asyncio.CancelledError):
         pass
+
+
+def _option(name: str, annotation: Any, default: Any, *flags: str, help: str) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
+                             default=typer.Option(default, *flags, help=help))
+
+
+@settings_command("queues", RedisSettings, extra=(
+    _option("as_json", bool, False, "--json", help="Print JSON instead of tables"),
+    _option("models", Optional[list[str]], None, "--model", help="Only these models' streams (repeat; default all)"),
+))
+def queues_cmd(redis_settings: RedisSettings, as_json: bool, models: list[str] | None) -> None:
+    """Inspect the queues: per model stream length, consumer-group lag, pending entries
+    per consumer with idle time, redeliveries, and live workers with heartbeat age,
+    running/waiting requests and KV usage."""
+    from shared.queues import queues_command
+
+    if not redis_settings.redis_url:
+        raise typer.BadParameter("inferq queues needs --redis-url (or INFERQ_REDIS_URL)")
+    queues_command(redis_settings.redis_url, redis_settings.namespace, as_json, models or None)
 
 
 @app.command("settings")

@@ -216,7 +216,7 @@ def render(snap: QueueSnapshot) -> list[Table]:
             workers.add_row(w.key, "?", f"[red]{w.error}[/red]", "", "", "", "", "")
             continue
         workers.add_row(st.worker_id, st.model, st.backend, str(st.num_running), str(st.num_waiting),
-                        f"{st.kv_usage:.0%}", f"{w.heartbeat_age_s:.1f}", str(st.pid))
+                        f"{st.kv_usage:.1%}", f"{w.heartbeat_age_s:.1f}", str(st.pid))
     return [streams, consumers, pending, workers]
 
 

@@ -65,12 +65,15 @@ class EngineSettings:
     enable_prefix_caching: bool = field(default=True, metadata=_doc("Reuse KV blocks of identical prompt prefixes"))
     enforce_eager: bool = field(default=False, metadata=_doc("Disable CUDA graphs"))
     attention_backend: str = field(default="auto", metadata=_doc("auto | torch | triton"))
+    sim_step_time_ms: float = field(default=20.0, metadata=_doc(
+        "Step time of the model-free `sim` backend, ms (one token per running request per step)"))
 
     def __post_init__(self) -> None:
         assert self.block_size >= 1 and self.max_num_seqs >= 1
         assert self.max_num_batched_tokens >= 1 and self.num_kv_blocks >= 0
         assert 0.0 < self.gpu_memory_utilization <= 1.0
         assert self.attention_backend in ("auto", "torch", "triton"), self.attention_backend
+        assert self.sim_step_time_ms >= 0.0, self.sim_step_time_ms
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +104,8 @@ class WorkerSettings:
     """One worker process."""
 
     worker_id: str = field(default="", metadata=_doc("Consumer name in the group (default: host-pid)"))
-    backend: str = field(default="inferq", metadata=_doc("inferq (our engine)"))
+    backend: str = field(default="inferq", metadata=_doc(
+        "inferq (our engine) | sim (no model: fixed step time, echoes the prompt)"))
     metrics_port: int = field(default=0, metadata=_doc("Port of the worker's /metrics (0: off)"))
     drain_timeout_s: float = field(default=60.0, metadata=_doc(
         "On SIGTERM, how long to finish held requests before handing the rest back, seconds"))

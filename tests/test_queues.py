@@ -103,3 +103,44 @@ def test_queues_command_prints_json(redis_server, capsys) -> None:
     assert [s["model"] for s in out["streams"]] == ["m1", "m2"]
     queues_command(redis_server.url, "tq", as_json=False)
     assert "request streams (tq)" in capsys.readouterr().out
+
+
+def test_cli_queues_with_sim_worker(redis_server, tmp_path) -> None:
+    """``inferq worker --backend sim`` serves through a real gateway (the echo of the
+    prompt comes back), and ``inferq queues --json`` in another process shows that
+    worker and the stream's delivered entry."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    from tests.processes import ROOT, free_port, start, stop, wait_for_gateway, wait_for_workers
+
+    log = tmp_path / "procs.log"
+    worker = start("worker", redis_server.url, "--backend", "sim", "--sim-step-time-ms", "1",
+                   "--worker-id", "sim-1", log_path=log)
+    port = free_port()
+    gateway = start("gateway", redis_server.url, "--port", str(port), log_path=log)
+    try:
+        wait_for_workers(redis_server.url, 1, [worker])
+        wait_for_gateway(f"http://127.0.0.1:{port}", gateway)
+        prompt = [11, 12, 13]
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30, json={
+            "model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 7, "temperature": 0})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10}
+        assert body["choices"][0]["finish_reason"] == "length"
+        out = subprocess.run([sys.executable, "-m", "shared.cli", "queues", "--redis-url", redis_server.url, "--json"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60, check=True).stdout
+        snap = json.loads(out)
+        (stream,) = [s for s in snap["streams"] if s["model"] == "SmolLM2-135M-Instruct"]
+        # Acked entries are deleted: the stream is empty, the group has read one entry.
+        assert (stream["has_group"], stream["length"], stream["num_pending"]) == (True, 0, 0)
+        assert stream["entries_read"] in (1, None)  # None before Redis 7
+        (w,) = [w for w in snap["workers"] if w["status"]["worker_id"] == "sim-1"]
+        assert w["status"]["backend"] == "sim" and w["heartbeat_age_s"] < 5
+    finally:
+        # uvicorn re-raises the SIGTERM it handled after its graceful shutdown: -15.
+        codes = stop(gateway), stop(worker)
+        assert codes[0] in (0, -15) and codes[1] == 0, log.read_text()[-3000:]

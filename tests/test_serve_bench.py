@@ -1,6 +1,7 @@
 """Tests for the load generator (bench/): a real uvicorn server streams known chunks with known
 sleeps, and the benchmark's measurements are checked against them; metric math is checked on
-hand-made records."""
+hand-made records; a sweep runs against a real gateway with a `sim` worker and writes JSON and
+PNG plots."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from bench.loadgen.config import CHAT_ENDPOINT, BenchConfig
 from bench.loadgen.dataset import sample_random_requests
 from bench.loadgen.metrics import compute_metrics
 from bench.loadgen.runner import build_requests, run_benchmark
+from bench.loadgen.sweep import SweepPlan
 from bench.serve_bench import app as cli_app
 from bench.serve_bench import expand_multi_value_args, parse_goodput
 
@@ -407,3 +409,102 @@ def test_prompts_with_real_tokenizer() -> None:
     assert all(isinstance(r.prompt, str) for r in requests)
     assert sum(r.prompt_len == 64 for r in requests) >= 6  # exact nearly always; recorded as sent
     assert all(abs(r.prompt_len - 64) <= 2 for r in requests)
+
+
+# ---------------------------------------------------------------- sweeps
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) in pixels from a PNG's IHDR chunk; asserts the file is a PNG."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE and data[12:16] == b"IHDR", f"{path} is not a PNG"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def invoke(args: list[str]) -> None:
+    outcome = CliRunner().invoke(cli_app, expand_multi_value_args(args))
+    assert outcome.exit_code == 0, outcome.output + repr(outcome.exception)
+
+
+@pytest.fixture()
+def sim_gateway(tmp_path: Path) -> Iterator[str]:
+    """URL of a real gateway with one `sim` worker (5 ms steps) behind an embedded Redis."""
+    from bench.procs import free_port, start, stop, wait_for_gateway, wait_for_workers
+    from shared.embedded_redis import EmbeddedRedis
+
+    log = tmp_path / "procs.log"
+    with EmbeddedRedis() as server:
+        worker = start("worker", server.url, "--backend", "sim", "--sim-step-time-ms", "5", "--worker-id", "sim-1",
+                       log_path=log)
+        port = free_port()
+        gateway = start("gateway", server.url, "--port", str(port), "--log-level", "warning", log_path=log)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_for_workers(server.url, 1, [worker], timeout_s=60)
+            wait_for_gateway(url, gateway, timeout_s=60)
+            yield url
+        finally:
+            stop(gateway)  # uvicorn re-raises SIGTERM after a clean shutdown: the code is -15
+            assert stop(worker) == 0, log.read_text()[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_concurrency_sweep_against_sim_server(sim_gateway: str, tmp_path: Path) -> None:
+    num_prompts, output_len = 6, 5
+    invoke(["--base-url", sim_gateway, "--concurrency", "1,4", "--num-prompts", str(num_prompts),
+            "--random-input-len", "8", "--random-output-len", str(output_len), "--ignore-eos", "--no-progress",
+            "--goodput", "ttft:10000", "tpot:5000", "--percentiles", "50,99", "--result-dir", str(tmp_path),
+            "--label", "t"])
+    out_dir = tmp_path / "t-concurrency"
+    summary = json.loads((out_dir / "sweep.json").read_text())
+    assert summary["sweep_axis"] == "max_concurrency" and summary["sweep_values"] == ["1", "4"]
+    assert summary["goodput_slos_ms"] == {"ttft": 10000.0, "tpot": 5000.0} and summary["request_rate"] == "inf"
+    for value, row in zip((1, 4), summary["points"], strict=True):
+        point = json.loads((out_dir / f"concurrency-{value}.json").read_text())
+        assert row["result_file"] == f"concurrency-{value}.json" and row["sweep_value"] == str(value)
+        assert point["max_concurrency"] == value == row["max_concurrency"]
+        assert (point["completed"], point["failed"]) == (num_prompts, 0), point["errors"]
+        assert point["output_lens"] == [output_len] * num_prompts  # ignore_eos: every request runs to max_tokens
+        assert point["total_output_tokens"] == num_prompts * output_len == row["total_output_tokens"]
+        assert point["total_input_tokens"] == num_prompts * 8 and len(point["ttfts"]) == num_prompts
+        assert all(0 < t < 10 for t in point["ttfts"]) and all(len(gaps) <= output_len - 1 for gaps in point["itls"])
+        assert row["output_throughput"] == pytest.approx(num_prompts * output_len / point["duration"])
+        assert row["request_goodput"] == pytest.approx(row["request_throughput"])  # generous SLO: all good
+        assert {"p50_ttft_ms", "p99_itl_ms", "mean_tpot_ms"} <= set(row) and "ttfts" not in row
+    assert summary["plots"] == ["throughput.png", "ttft.png", "itl.png", "goodput.png"]
+    for name in summary["plots"]:
+        width, height = png_size(out_dir / name)
+        assert width > 100 and height > 100 and (out_dir / name).stat().st_size > 1000
+
+
+def test_rate_sweep_writes_points_and_plots(server: tuple[FakeServer, str], tmp_path: Path) -> None:
+    _, base_url = server
+    invoke(["--base-url", f"{base_url}/ok", "--request-rate", "50,inf", "--num-prompts", "4",
+            "--random-input-len", "4", "--random-output-len", "3", "--result-dir", str(tmp_path)])
+    out_dir = tmp_path / "sweep-rate"
+    summary = json.loads((out_dir / "sweep.json").read_text())
+    assert summary["sweep_axis"] == "request_rate" and summary["sweep_values"] == ["50", "inf"]
+    assert [row["request_rate"] for row in summary["points"]] == [50.0, "inf"]
+    assert all(row["completed"] == 4 and row["request_goodput"] is None for row in summary["points"])
+    assert summary["plots"] == ["throughput.png", "ttft.png", "itl.png"]  # no --goodput: no goodput plot
+    assert {p.name for p in out_dir.glob("rate-*.json")} == {"rate-50.json", "rate-inf.json"}
+    assert all(png_size(out_dir / name)[0] > 0 for name in summary["plots"])
+
+
+def test_sweep_arguments_rejected() -> None:
+    both = CliRunner().invoke(cli_app, ["--concurrency", "1,2", "--request-rate", "1,2"])
+    assert both.exit_code != 0 and "not both" in both.output
+    fractional = CliRunner().invoke(cli_app, ["--concurrency", "1,2.5"])
+    assert fractional.exit_code != 0
+    with pytest.raises(AssertionError):
+        SweepPlan("request_rate", (1.0, 1.0))
+
+
+async def test_requests_round_robin_over_base_urls(server: tuple[FakeServer, str]) -> None:
+    fake, base_url = server
+    cfg = cfg_for(base_url, "rr1", extra_base_urls=(f"{base_url}/rr2",), num_prompts=6, random_output_len=2)
+    result = await run_benchmark(cfg)
+    assert result.metrics.completed == 6 and (fake.counts["rr1"], fake.counts["rr2"]) == (3, 3)

@@ -25,6 +25,9 @@ class BenchConfig:
     """
 
     base_url: str = "http://127.0.0.1:8000"
+    # Further servers of the same deployment (e.g. more gateways): requests go round-robin over
+    # (base_url, *extra_base_urls); the model list is read from base_url.
+    extra_base_urls: tuple[str, ...] = ()
     endpoint: str = COMPLETIONS_ENDPOINT
     model: str | None = None  # None: first id from GET /v1/models
     tokenizer: str | None = None  # Hugging Face tokenizer folder or id; None: send token ids
@@ -70,5 +73,10 @@ class BenchConfig:
 
     @property
     def url(self) -> str:
-        """Full URL requests are POSTed to."""
+        """Full URL requests are POSTed to (on ``base_url``)."""
         return self.base_url.rstrip("/") + self.endpoint
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """Full URLs requests are POSTed to round-robin: ``base_url`` first, then ``extra_base_urls``."""
+        return tuple(base.rstrip("/") + self.endpoint for base in (self.base_url, *self.extra_base_urls))

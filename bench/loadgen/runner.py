@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -66,13 +67,17 @@ def progress_bar(enabled: bool, total: int) -> Iterator[Any]:
         yield lambda: progress.advance(task_id)
 
 
-async def run_benchmark(cfg: BenchConfig, *, tokenizer: Tokenizer | None = None) -> BenchResult:
-    """Drive ``cfg.url`` with ``cfg.num_prompts`` streaming requests and return the measured result.
+async def run_benchmark(
+    cfg: BenchConfig, *, tokenizer: Tokenizer | None = None, on_request_done: Callable[[], None] | None = None
+) -> BenchResult:
+    """Drive ``cfg.urls`` (round-robin) with ``cfg.num_prompts`` streaming requests and return the measured result.
 
     ``tokenizer`` (optional) is an already loaded tokenizer to build prompts with instead of
-    loading ``cfg.tokenizer``, e.g. to reuse one across a sweep. Raises ``ValueError`` as
-    ``build_requests`` does, and ``httpx.HTTPError``/``RuntimeError`` only when ``cfg.model`` is None and the model
-    list cannot be read; request failures are recorded per request, not raised.
+    loading ``cfg.tokenizer``, e.g. to reuse one across a sweep. ``on_request_done`` (optional)
+    is called as each request ends, in place of the run's own progress bar (a sweep draws its
+    own bars). Raises ``ValueError`` as ``build_requests`` does, and ``httpx.HTTPError``/``RuntimeError``
+    only when ``cfg.model`` is None and the model list cannot be read; request failures are
+    recorded per request, not raised.
     """
     if tokenizer is None and not cfg.tokenizer and cfg.endpoint == CHAT_ENDPOINT:
         raise ValueError("the chat endpoint needs a tokenizer (--tokenizer) to build text prompts")
@@ -85,22 +90,25 @@ async def run_benchmark(cfg: BenchConfig, *, tokenizer: Tokenizer | None = None)
         offsets_s = arrival_offsets_s(len(requests), cfg.request_rate_per_s, cfg.burstiness, cfg.seed)
         semaphore = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
 
-        with progress_bar(cfg.show_progress, len(requests)) as advance:
+        bar = progress_bar(cfg.show_progress and on_request_done is None, len(requests))
+        with bar as advance:
+            done = on_request_done or advance
 
-            async def one(request: SampleRequest) -> RequestOutput:
+            async def one(request: SampleRequest, url: str) -> RequestOutput:
                 payload = build_payload(cfg.endpoint, model, request, cfg.ignore_eos)
                 async with semaphore or contextlib.nullcontext():
-                    out = await send_request(client, cfg.url, payload, request.prompt_len, headers)
-                advance()
+                    out = await send_request(client, url, payload, request.prompt_len, headers)
+                done()
                 return out
 
             start_s = time.perf_counter()
             tasks = []
+            urls = itertools.cycle(cfg.urls)
             for request, offset_s in zip(requests, offsets_s.tolist(), strict=True):
                 delay_s = start_s + offset_s - time.perf_counter()
                 if delay_s > 0:
                     await asyncio.sleep(delay_s)
-                tasks.append(asyncio.create_task(one(request)))
+                tasks.append(asyncio.create_task(one(request, next(urls))))
             outputs = list(await asyncio.gather(*tasks))
             duration_s = time.perf_counter() - start_s
 

@@ -39,6 +39,10 @@ class EngineBackend(Protocol):
         """Load snapshot for heartbeats and metrics."""
 
 
+#: Names accepted by ``create_backend``.
+BACKENDS = ("inferq", "sim")
+
+
 def create_backend(name: str, model_settings: ModelSettings, engine_settings: EngineSettings) -> EngineBackend:
     """Build the named backend.
 
@@ -49,5 +53,13 @@ def create_backend(name: str, model_settings: ModelSettings, engine_settings: En
         from worker.backends.inferq import InferqBackend
 
         return InferqBackend(model_settings, engine_settings)
-    raise ValueError(f"unknown backend {name!r} (known: inferq)")
+    if name == "sim":
+        from shared.model_source import resolve_model
+        from worker.backends.sim import SimBackend
+
+        eos = resolve_model(model_settings.model, model_settings.load_format,
+                            model_settings.model_cache_dir).config.get("eos_token_id") or []
+        return SimBackend(model_settings, engine_settings, step_time_ms=engine_settings.sim_step_time_ms,
+                          eos_token_ids=eos if isinstance(eos, list) else [eos])
+    raise ValueError(f"unknown backend {name!r} (known: {', '.join(BACKENDS)})")
 

@@ -30,10 +30,6 @@ from shared.sampling import SamplingParams
 from shared.settings import EngineSettings, ModelSettings
 from worker.engine.engine import EngineStats, RequestOutput, RequestRejected
 
-#: Step time when none is given, ms (a small model's decode step on a GPU).
-DEFAULT_STEP_TIME_MS = 20.0
-
-
 @dataclass(slots=True)
 class _SimRequest:
     request_id: str
@@ -52,7 +48,9 @@ class SimBackend:
     name = "sim"
 
     def __init__(self, model_settings: ModelSettings, engine_settings: EngineSettings, *,
-                 step_time_ms: float = DEFAULT_STEP_TIME_MS, eos_token_ids: Iterable[int] = ()) -> None:
+                 step_time_ms: float | None = None, eos_token_ids: Iterable[int] = ()) -> None:
+        if step_time_ms is None:
+            step_time_ms = engine_settings.sim_step_time_ms
         assert step_time_ms >= 0.0, step_time_ms
         self.block_size = engine_settings.block_size
         self.max_num_seqs = engine_settings.max_num_seqs
