@@ -41,14 +41,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from bench.loadgen.client import RequestOutput
 from bench.loadgen.config import BenchConfig
 from bench.loadgen.report import BenchResult
 from bench.loadgen.runner import run_benchmark
 from bench.procs import ROOT, cpu_s, free_port, redis_pid, start, stop, wait_for_gateway, wait_for_workers
 
 RESULT_PATHS = {"sim": ROOT / "bench/results/scaling_sim.json", "inferq": ROOT / "bench/results/scaling_cpu_model.json"}
-# Per backend: (worker counts, gateway counts) when not given on the command line.
+# Per backend, when not given on the command line: (worker counts, gateway counts), and rounds
+# (a real model on the CPU is slow: 2 rounds keep the run to a few minutes).
 DEFAULT_COUNTS = {"sim": ((1, 2, 4, 8), (1, 2)), "inferq": ((1, 2), (1,))}
+DEFAULT_ROUNDS = {"sim": 4, "inferq": 2}
+DEFAULT_LOG_DIR = "/tmp/inferq-scaling-bench"
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +75,7 @@ class ScalingConfig:
     start_timeout_s: float = 300.0
     seed: int = 0
     show_progress: bool = True
-    log_dir: str = "/tmp/inferq-scaling-bench"
+    log_dir: str = DEFAULT_LOG_DIR  # one log file per process
 
     def __post_init__(self) -> None:
         assert self.backend in RESULT_PATHS, f"backend must be one of {list(RESULT_PATHS)}"
@@ -103,7 +109,8 @@ class PointResult:
     total_output_tokens: int
     expected_output_tokens: int  # sent * output_len (ignore_eos)
     duration_s: float
-    output_throughput: float  # tok/s
+    output_throughput: float  # tok/s over the whole run
+    steady_output_throughput: float  # tok/s between the 10th and 90th percentile token receive times
     request_throughput: float  # req/s
     ideal_output_throughput: float | None
     mean_ttft_ms: float
@@ -114,8 +121,30 @@ class PointResult:
     cpu_s: dict[str, float]  # per process during the run
     cpu_cores: dict[str, float]  # per role: cpu_s / duration_s (1.0 = one core busy all the time)
     efficiency: float | None = None  # tput(N) / (N * tput(1)), same gateway count
+    steady_efficiency: float | None = None  # the same from steady_output_throughput
     fraction_of_ideal: float | None = None  # sim only: tput(N) / ideal(N)
     errors: list[str] = field(default_factory=list)  # first distinct request errors
+
+
+def steady_output_throughput(outputs: list[RequestOutput], low_q: float = 0.1, high_q: float = 0.9) -> float:
+    """Output tok/s between the ``low_q`` and ``high_q`` quantiles of content-chunk receive times.
+
+    Leaves out the ramp (every stream's first request arriving at once) and the tail (the last
+    requests finishing), which weigh more with more workers. A chunk counts as
+    ``output_tokens / num_chunks`` of its request's tokens (one each unless the server merged some).
+    """
+    times_s, tokens = [], []
+    for out in outputs:
+        if out.success:
+            chunk_s = out.start_s + out.ttft_s + np.concatenate(([0.0], np.cumsum(out.itls_s)))
+            times_s.append(chunk_s)
+            tokens.append(np.full(chunk_s.size, out.output_tokens / chunk_s.size))
+    if not times_s:
+        return 0.0
+    all_s, all_tokens = np.concatenate(times_s), np.concatenate(tokens)
+    low_s, high_s = np.quantile(all_s, [low_q, high_q])
+    inside = (all_s > low_s) & (all_s <= high_s)
+    return float(all_tokens[inside].sum() / (high_s - low_s)) if high_s > low_s else 0.0
 
 
 def role_cores(cpu: dict[str, float], duration_s: float) -> dict[str, float]:
@@ -233,7 +262,8 @@ def run_point(cluster: Cluster, cfg: ScalingConfig, num_workers: int, num_gatewa
         num_workers=num_workers, num_gateways=num_gateways, concurrency=concurrency, sent=sent,
         completed=m.completed, failed=m.failed, total_output_tokens=m.total_output_tokens,
         expected_output_tokens=sent * cfg.output_len, duration_s=m.duration_s,
-        output_throughput=m.output_throughput, request_throughput=m.request_throughput,
+        output_throughput=m.output_throughput, steady_output_throughput=steady_output_throughput(result.outputs),
+        request_throughput=m.request_throughput,
         ideal_output_throughput=ideal, fraction_of_ideal=None if ideal is None else m.output_throughput / ideal,
         mean_ttft_ms=m.latency["ttft"].mean_ms, p99_ttft_ms=m.latency["ttft"].percentiles_ms[99.0],
         mean_tpot_ms=m.latency["tpot"].mean_ms, mean_itl_ms=m.latency["itl"].mean_ms,
@@ -243,13 +273,15 @@ def run_point(cluster: Cluster, cfg: ScalingConfig, num_workers: int, num_gatewa
 
 
 def add_efficiency(points: list[PointResult]) -> None:
-    """Set ``efficiency`` = (tput(N) / N) / (tput(N0) / N0), N0 the fewest workers of the same gateway count."""
+    """Set ``efficiency`` = (tput(N) / N) / (tput(N0) / N0), N0 the fewest workers of the same
+    gateway count (1 by default), and ``steady_efficiency`` likewise from the steady throughput."""
     for point in points:
-        same = [p for p in points if p.num_gateways == point.num_gateways]
-        base = min(same, key=lambda p: p.num_workers)
+        base = min((p for p in points if p.num_gateways == point.num_gateways), key=lambda p: p.num_workers)
+        scale = point.num_workers / base.num_workers
         if base.output_throughput > 0:
-            per_worker = point.output_throughput / point.num_workers
-            point.efficiency = per_worker / (base.output_throughput / base.num_workers)
+            point.efficiency = point.output_throughput / (scale * base.output_throughput)
+        if base.steady_output_throughput > 0:
+            point.steady_efficiency = point.steady_output_throughput / (scale * base.steady_output_throughput)
 
 
 def run(cfg: ScalingConfig) -> list[PointResult]:
@@ -274,6 +306,8 @@ def run(cfg: ScalingConfig) -> list[PointResult]:
 
 NOTES = [
     "efficiency = output_throughput(N) / (N * output_throughput(1 worker)) at the same gateway count",
+    ("steady_output_throughput counts only tokens received between the 10th and 90th percentile of receive times "
+     "(no ramp, no tail); steady_efficiency is efficiency computed from it"),
     ("cpu_cores = CPU seconds of a process (or role) during the measured run / its duration: 1.0 is one core busy; "
      "'all' near host_cpu_count means the host itself is saturated (every process shares its cores)"),
     ("each point runs after an unmeasured warm-up of `concurrency` short requests; workers are added between "
@@ -318,17 +352,18 @@ def print_table(points: list[PointResult]) -> None:
     from rich.table import Table
 
     table = Table(title="scaling: output throughput")
-    for header in ("gateways", "workers", "ok/sent", "tok/s", "ideal", "efficiency", "gw max", "redis",
-                   "workers", "client", "all cores"):
+    for header in ("gateways", "workers", "ok/sent", "tok/s", "steady tok/s", "ideal", "efficiency",
+                   "steady eff.", "gw max", "redis", "workers", "client", "all cores"):
         table.add_column(header, justify="right")
     for p in points:
         c = p.cpu_cores
         table.add_row(str(p.num_gateways), str(p.num_workers), f"{p.completed}/{p.sent}",
-                      f"{p.output_throughput:.0f}",
+                      f"{p.output_throughput:.0f}", f"{p.steady_output_throughput:.0f}",
                       "-" if p.ideal_output_throughput is None else f"{p.ideal_output_throughput:.0f}",
-                      "-" if p.efficiency is None else f"{p.efficiency:.2f}", f"{c['gateway_max']:.2f}",
+                      "-" if p.efficiency is None else f"{p.efficiency:.2f}",
+                      "-" if p.steady_efficiency is None else f"{p.steady_efficiency:.2f}", f"{c['gateway_max']:.2f}",
                       f"{c['redis']:.2f}", f"{c['workers']:.2f}", f"{c['client']:.2f}", f"{c['all']:.2f}")
-    Console().print(table)
+    Console(width=160).print(table)
 
 
 def parse_counts(text: str) -> tuple[int, ...]:
@@ -346,20 +381,24 @@ def parse_args(argv: list[str] | None) -> tuple[ScalingConfig, Path]:
     parser.add_argument("--step-time-ms", type=float, default=50.0, help="sim step time, ms")
     parser.add_argument("--input-len", type=int, default=16, help="prompt tokens")
     parser.add_argument("--output-len", type=int, default=64, help="output tokens per request")
-    parser.add_argument("--rounds", type=int, default=4, help="requests each stream sends in turn")
+    parser.add_argument("--rounds", type=int, help="requests each stream sends in turn (sim: 4; inferq: 2)")
     parser.add_argument("--torch-threads", type=int, help="inferq: threads per worker (default cores // workers)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    parser.add_argument("--log-dir", default=ScalingConfig.log_dir)
+    parser.add_argument("--log-dir", default=DEFAULT_LOG_DIR)
     parser.add_argument("--out", type=Path, help="result JSON (default bench/results/scaling_<sim|cpu_model>.json)")
     args = parser.parse_args(argv)
-    workers, gateways = DEFAULT_COUNTS[args.backend]
-    workers = args.workers or workers
+    default_workers, default_gateways = DEFAULT_COUNTS[args.backend]
+    workers = args.workers or default_workers
     threads = args.torch_threads or max(1, (os.cpu_count() or 1) // max(workers))
-    cfg = ScalingConfig(backend=args.backend, worker_counts=workers, gateway_counts=args.gateways or gateways,
-                        max_num_seqs=args.max_num_seqs, step_time_ms=args.step_time_ms, input_len=args.input_len,
-                        output_len=args.output_len, rounds=args.rounds, torch_threads=threads, seed=args.seed,
-                        show_progress=not args.no_progress, log_dir=args.log_dir)
+    try:
+        cfg = ScalingConfig(
+            backend=args.backend, worker_counts=workers, gateway_counts=args.gateways or default_gateways,
+            max_num_seqs=args.max_num_seqs, step_time_ms=args.step_time_ms, input_len=args.input_len,
+            output_len=args.output_len, rounds=args.rounds or DEFAULT_ROUNDS[args.backend], torch_threads=threads,
+            seed=args.seed, show_progress=not args.no_progress, log_dir=args.log_dir)
+    except AssertionError as exc:
+        parser.error(str(exc))
     return cfg, args.out or RESULT_PATHS[args.backend]
 
 

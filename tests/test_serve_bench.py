@@ -15,7 +15,7 @@ import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import ClassVar
+from typing import Any
 
 import numpy as np
 import pytest
@@ -117,8 +117,8 @@ def server() -> Iterator[tuple[FakeServer, str]]:
     thread.join(timeout=5)
 
 
-def cfg_for(base_url: str, scenario: str, **kw) -> BenchConfig:
-    defaults = {
+def cfg_for(base_url: str, scenario: str, **kw: Any) -> BenchConfig:
+    defaults: dict[str, Any] = {
         "base_url": f"{base_url}/{scenario}",
         "random_input_len": 16,
         "random_output_len": 6,
@@ -352,9 +352,8 @@ def test_cli_writes_result(server: tuple[FakeServer, str], tmp_path: Path) -> No
 class WordTokenizer:
     """Tokens are words; some words contain a space, so decode -> encode does not round-trip."""
 
-    all_special_ids: ClassVar[list[int]] = [0]
-
     def __init__(self) -> None:
+        self.all_special_ids = [0]
         singles = [f"w{i}" for i in range(60)]
         self.vocab = ["<s>", *singles, *(f"{a} {b}" for a, b in zip(singles[::5], singles[1::5], strict=False))]
         self.ids = {w: i for i, w in enumerate(self.vocab)}
@@ -382,7 +381,7 @@ def test_random_dataset_lengths() -> None:
     assert len({r.prompt_len for r in reqs}) > 5  # range ratio spreads lengths
     ids = sample_random_requests(num_prompts=4, input_len=7, output_len=3, range_ratio=0.0, seed=3)
     assert all(isinstance(r.prompt, list) and len(r.prompt) == 7 == r.prompt_len for r in ids)
-    assert all(1000 <= t < 32000 for r in ids for t in r.prompt)
+    assert all(1000 <= t < 32000 for r in ids for t in r.prompt if isinstance(t, int))
     again = sample_random_requests(num_prompts=4, input_len=7, output_len=3, range_ratio=0.0, seed=3)
     assert [r.prompt for r in ids] == [r.prompt for r in again]
 
@@ -446,7 +445,7 @@ def sim_gateway(tmp_path: Path) -> Iterator[str]:
             wait_for_gateway(url, gateway, timeout_s=60)
             yield url
         finally:
-            stop(gateway)  # uvicorn re-raises SIGTERM after a clean shutdown: the code is -15
+            stop(gateway)  # after serving SSE streams it exits -15 on SIGTERM (clean shutdown, then re-raised)
             assert stop(worker) == 0, log.read_text()[-3000:]
 
 

@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -204,5 +205,6 @@ def render_sweep_table(sweep: SweepResult) -> Table:
 
 
 def print_sweep(sweep: SweepResult, console: Console | None = None) -> None:
-    """Print the sweep table."""
-    (console or Console()).print(render_sweep_table(sweep))
+    """Print the sweep table (140 columns wide when stdout is not a terminal, e.g. a log file)."""
+    console = console or (Console() if sys.stdout.isatty() else Console(width=140))
+    console.print(render_sweep_table(sweep))
