@@ -151,4 +151,6 @@ def run(gateway: GatewaySettings, redis: RedisSettings, model: ModelSettings, so
     import uvicorn
 
     app = create_app(gateway, redis, model, source)
-    uvicorn.run(app, host=gateway.host, port=gateway.port, log_level="info", timeout_graceful_shutdown=5)
+    # uvicorn's own loggers follow the level the CLI gave the root logger (--log-level).
+    uvicorn.run(app, host=gateway.host, port=gateway.port, log_level=logging.getLogger().getEffectiveLevel(),
+                timeout_graceful_shutdown=5)

@@ -89,46 +89,60 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     gqa = num_heads != num_kv_heads
 
     decode = [i for i, n in enumerate(q_lens) if n == 1]
-    if len(decode) > 1:
-        _decode_batch(q, k_cache, v_cache, block_tables, starts, s_lens, decode, scale, out, gqa)
-        done = set(decode)
-    else:
-        done = set()
+    if decode:
+        _decode_batch(q, k_cache, v_cache, block_tables, starts, s_lens, decode, scale, out)
     for i, q_len in enumerate(q_lens):
-        if i in done or q_len == 0:
+        if q_len <= 1:
             continue
         start, ctx = starts[i], s_lens[i]
         k = _gather_kv(k_cache, block_tables[i], ctx).transpose(0, 1)  # [kvh, ctx, d]
         v = _gather_kv(v_cache, block_tables[i], ctx).transpose(0, 1)
         qi = q[start:start + q_len].transpose(0, 1)  # [h, q_len, d]
-        # Query j sits at absolute position ctx - q_len + j and sees keys 0..that position.
-        pos_q = torch.arange(ctx - q_len, ctx, device=q.device)
-        mask = pos_q[:, None] >= torch.arange(ctx, device=q.device)[None, :]
-        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        if ctx == q_len:  # no earlier context: plain causal (SDPA's fused path)
+            o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            # Query j sits at absolute position ctx - q_len + j and sees keys 0..that position.
+            pos_q = torch.arange(ctx - q_len, ctx, device=q.device)
+            mask = pos_q[:, None] >= torch.arange(ctx, device=q.device)[None, :]
+            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[start:start + q_len] = o.transpose(0, 1)
     return out
 
 
 def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_tables: torch.Tensor, starts: list[int], s_lens: list[int],
-                  rows: list[int], scale: float, out: torch.Tensor, gqa: bool) -> None:
-    """Single-token queries of several sequences as one padded SDPA call."""
+                  rows: list[int], scale: float, out: torch.Tensor) -> None:
+    """Single-token queries of the sequences ``rows`` in one padded, grouped computation.
+
+    Query heads are grouped by their KV head (``[B, kvh, group, d]``), so GQA needs no
+    copy of K/V per query head; keys past a sequence's length are masked to -inf.
+    Softmax in float32.
+    """
     device = q.device
     max_len = max(s_lens[i] for i in rows)
-    block_size = k_cache.shape[1]
+    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     num_blocks = (max_len + block_size - 1) // block_size
-    idx = torch.tensor(rows, device=device)
-    tables = block_tables.index_select(0, idx)[:, :num_blocks].long()  # [B, nb]
-    bsz = len(rows)
-    k = k_cache[tables].reshape(bsz, num_blocks * block_size, *k_cache.shape[2:])[:, :max_len]
-    v = v_cache[tables].reshape(bsz, num_blocks * block_size, *v_cache.shape[2:])[:, :max_len]
-    lens = torch.tensor([s_lens[i] for i in rows], device=device)
-    mask = torch.arange(max_len, device=device)[None, :] < lens[:, None]  # [B, L]
-    tok = torch.tensor([starts[i] for i in rows], device=device)
-    qb = q.index_select(0, tok).unsqueeze(2)  # [B, h, 1, d]
-    o = F.scaled_dot_product_attention(qb, k.transpose(1, 2), v.transpose(1, 2),
-                                       attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa)
-    out.index_copy_(0, tok, o.squeeze(2))
+    bsz, group = len(rows), q.shape[1] // num_kv_heads
+    if bsz == len(starts) - 1:  # every sequence decodes: no row selection
+        tables, qb = block_tables[:, :num_blocks].long(), q
+    else:
+        idx = torch.tensor(rows, device=device)
+        tables = block_tables.index_select(0, idx)[:, :num_blocks].long()  # [B, nb]
+        qb = q.index_select(0, torch.tensor([starts[i] for i in rows], device=device))
+    k = k_cache[tables].view(bsz, num_blocks * block_size, num_kv_heads, head_dim)[:, :max_len]
+    v = v_cache[tables].view(bsz, num_blocks * block_size, num_kv_heads, head_dim)[:, :max_len]
+    qg = qb.view(bsz, num_kv_heads, group, head_dim)
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale  # [B, kvh, g, L]
+    lens = [s_lens[i] for i in rows]
+    if min(lens) < max_len:
+        pad = torch.arange(max_len, device=device)[None, :] >= torch.tensor(lens, device=device)[:, None]
+        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    o = torch.matmul(probs, v.transpose(1, 2)).reshape(bsz, -1, head_dim)  # [B, h, d]
+    if bsz == len(starts) - 1:
+        out.copy_(o)
+    else:
+        out.index_copy_(0, torch.tensor([starts[i] for i in rows], device=device), o)
 
 
 # --------------------------------------------------------------------------------------
