@@ -8,8 +8,8 @@ Order of checks: auth (401), body size (413), body (400), model (404), prompt le
 from __future__ import annotations
 
 import hmac
-import math
 import logging
+import math
 import re
 import secrets
 import time

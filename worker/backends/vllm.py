@@ -1,0 +1,308 @@
+"""vLLM's engine as a worker backend (``inferq worker --backend vllm``).
+
+The worker's Redis loop stays the same; only the engine under it changes. vLLM's v1
+``LLMEngine`` runs in this process with its engine core in-process (``InprocClient``),
+so one ``step()`` here is one ``EngineCore.step()`` there: schedule, execute, update.
+The forward pass runs in vLLM's executor (on CPU always its multiprocessing executor:
+one model process whose OpenMP threads vLLM binds, see ``VLLM_CPU_OMP_THREADS_BIND``).
+Not vLLM's ``AsyncLLM``: the worker already owns an event loop and runs ``step`` off it,
+so the synchronous engine fits without a second loop, an output-handler task and an
+engine-core process behind ZMQ, and its aborts and counts take effect at once.
+
+How our calls map onto vLLM's:
+
+- ``add_request``: the prompt's token ids become a ``TokensPrompt`` rendered by vLLM's
+  renderer, ``shared.sampling.SamplingParams`` becomes ``vllm.SamplingParams`` (deltas
+  only, no detokenization: the gateway owns the text). A request resumed after failover
+  (``output_token_ids`` given) runs as prompt + delivered outputs, with ``max_tokens``
+  and ``min_tokens`` reduced by what was delivered; its first new token has index
+  ``len(output_token_ids)``. Greedy resumes are exact; presence/frequency penalties and
+  seeded sampling see the delivered outputs as prompt, so sampled resumes may differ.
+- ``step``: ``LLMEngine.step()``; each ``RequestOutput`` gives the request's new token
+  ids (stop and EOS tokens included, as in our engine) and finish reason.
+- ``abort``: ``LLMEngine.abort_request``, which frees the request's KV blocks at once.
+- ``num_admittable``: free sequence slots, but 0 while vLLM leaves requests waiting after
+  a step or the free KV blocks do not cover the queued prompts plus one block of growth
+  per running request, so unstarted work stays in Redis for other workers.
+- ``stats``: running/waiting counts and KV usage read from vLLM's scheduler now (so an
+  abort shows at once), prefix-cache and preemption counters summed from the
+  ``SchedulerStats``/``IterationStats`` that vLLM hands its stat loggers every step.
+
+Settings map one to one where vLLM has the same knob (``max_num_seqs``,
+``max_num_batched_tokens``, ``block_size``, ``enable_prefix_caching``, ``enforce_eager``,
+``gpu_memory_utilization``, ``num_kv_blocks`` as ``num_gpu_blocks_override``); on CPU
+``kv_cache_bytes`` sizes vLLM's KV cache (``kv_cache_memory_bytes``). ``dtype`` ``auto``
+means what it means for our engine: float32 on CPU, bfloat16 on CUDA. ``device`` is
+vLLM's platform (the installed build decides). vLLM's CPU attention needs ``block_size``
+a multiple of 32: any other size (our default 16 included) gives vLLM's CPU default, 128.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from shared.model_source import ModelSource, resolve_model
+from shared.protocol import FinishReason
+from shared.sampling import SamplingParams
+from shared.settings import EngineSettings, ModelSettings
+from worker.engine.engine import EngineStats, RequestOutput, RequestRejected
+
+if TYPE_CHECKING:
+    import vllm
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+log = logging.getLogger(__name__)
+
+#: vLLM's finish reasons as ours: ``repetition`` (its hallucination guard) ends the
+#: request like a stop; ``error`` (a request-level failure inside vLLM), and any reason a
+#: later vLLM adds, ends it as an abort.
+_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort",
+                                     "repetition": "stop", "error": "abort"}
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """What we remember of a request vLLM holds for us."""
+
+    num_prompt_tokens: int  # of the original prompt, without resumed outputs
+    next_index: int  # index of the next output token in the whole output
+
+
+@dataclass(slots=True)
+class _Counters:
+    """Totals since start, summed from vLLM's per-step stats."""
+
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_hits: int = 0  # prompt tokens found
+    num_preemptions: int = 0
+
+
+def vllm_dtype(dtype: str, on_cpu: bool) -> Any:
+    """Our ``dtype`` setting as vLLM's: ``auto`` is float32 on CPU, bfloat16 on CUDA
+    (our engine's meaning; vLLM's own ``auto`` would follow the checkpoint)."""
+    if dtype == "auto":
+        return "float32" if on_cpu else "bfloat16"
+    return dtype
+
+
+def vllm_block_size(block_size: int, on_cpu: bool) -> int | None:
+    """Our ``block_size`` for vLLM, or ``None`` (vLLM's default: 128 on CPU) where its
+    attention cannot use it: its CPU kernels need a multiple of 32 (our default is 16)."""
+    if on_cpu and block_size % 32:
+        log.info("block size %d is not a multiple of 32, which vLLM's CPU attention needs: "
+                 "using vLLM's default", block_size)
+        return None
+    return block_size
+
+
+def engine_args(source: ModelSource, model: ModelSettings, engine: EngineSettings, on_cpu: bool) -> Any:
+    """``vllm.EngineArgs`` for ``source`` with our settings (see the module docstring).
+
+    Raises:
+        ValueError: ``source`` has no Hugging Face folder (vLLM reads config and
+            tokenizer from one; a named dummy config without a folder cannot run here).
+    """
+    from vllm import EngineArgs
+
+    if source.path is None:
+        raise ValueError(f"the vllm backend needs a Hugging Face folder; {source.name!r} has none")
+    max_model_len = min(model.max_model_len, int(source.config.get("max_position_embeddings", model.max_model_len)))
+    return EngineArgs(
+        model=str(source.path), served_model_name=source.name, load_format="dummy" if source.dummy else "auto",
+        dtype=vllm_dtype(model.dtype, on_cpu), max_model_len=max_model_len, seed=model.seed,
+        max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=engine.max_num_batched_tokens,
+        block_size=vllm_block_size(engine.block_size, on_cpu), enable_prefix_caching=engine.enable_prefix_caching,
+        enforce_eager=engine.enforce_eager, gpu_memory_utilization=engine.gpu_memory_utilization,
+        kv_cache_memory_bytes=engine.kv_cache_bytes if on_cpu else None,
+        num_gpu_blocks_override=engine.num_kv_blocks or None, disable_log_stats=False)
+
+
+def vllm_sampling(sampling: SamplingParams, num_resumed: int = 0) -> vllm.SamplingParams:
+    """Our sampling parameters as vLLM's, for a request with ``num_resumed`` outputs
+    already delivered (they count against ``max_tokens`` and ``min_tokens``).
+
+    Deltas only (``RequestOutputKind.DELTA``) and no detokenization.
+    """
+    from vllm import SamplingParams as VllmSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return VllmSamplingParams(
+        max_tokens=sampling.max_tokens - num_resumed, min_tokens=max(0, sampling.min_tokens - num_resumed),
+        temperature=sampling.temperature, top_p=sampling.top_p, top_k=max(0, sampling.top_k),
+        min_p=sampling.min_p, seed=sampling.seed, stop_token_ids=list(sampling.stop_token_ids),
+        ignore_eos=sampling.ignore_eos, repetition_penalty=sampling.repetition_penalty,
+        presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
+        detokenize=False, skip_special_tokens=False, output_kind=RequestOutputKind.DELTA)
+
+
+def _counting_logger(counters: _Counters) -> Any:
+    """A vLLM stat-logger factory whose loggers add each step's prefix-cache lookups
+    and preemptions to ``counters``."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class _CountingLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:
+            if scheduler_stats is not None:
+                counters.prefix_cache_queries += scheduler_stats.prefix_cache_stats.queries
+                counters.prefix_cache_hits += scheduler_stats.prefix_cache_stats.hits
+            if iteration_stats is not None:
+                counters.num_preemptions += iteration_stats.num_preempted_reqs
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return _CountingLogger
+
+
+def build_engine(args: Any, counters: _Counters) -> LLMEngine:
+    """vLLM's ``LLMEngine`` with its engine core in this process (``InprocClient``),
+    reporting stats to ``counters``. With ``enforce_eager`` it takes about 30 s on 2 CPU
+    cores (imports, the model process's start, weights); without, vLLM first compiles
+    the model with torch.compile (1.5 to 3 minutes there, cached in ``~/.cache/vllm``)."""
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm.v1.executor import Executor
+
+    config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+    return LLMEngine(config, Executor.get_class(config), log_stats=True,
+                     stat_loggers=[_counting_logger(counters)], multiprocess_mode=False)
+
+
+class VllmBackend:
+    """An ``EngineBackend`` (worker/backends/base.py) over vLLM's in-process engine.
+    Not thread-safe: call it from one thread at a time (``stats`` only reads)."""
+
+    name = "vllm"
+
+    def __init__(self, model_settings: ModelSettings, engine_settings: EngineSettings) -> None:
+        from vllm.platforms import current_platform
+
+        source = resolve_model(model_settings.model, model_settings.load_format, model_settings.model_cache_dir)
+        args = engine_args(source, model_settings, engine_settings, current_platform.is_cpu())
+        self._counters = _Counters()
+        self.engine = build_engine(args, self._counters)
+        config = self.engine.vllm_config
+        self.block_size = int(config.cache_config.block_size)
+        self.max_num_seqs = int(config.scheduler_config.max_num_seqs)
+        self.max_model_len = int(config.model_config.max_model_len)
+        self._requests: dict[str, _Tracked] = {}
+        self._num_blocks_added = 0  # prompt blocks of requests added since the last step
+        self._num_added = 0  # requests added since the last step
+        log.info("vLLM engine ready: %s, %s, block size %d, %d KV blocks", source.name,
+                 config.model_config.dtype, self.block_size, self._block_pool().num_gpu_blocks - 1)
+
+    # -- requests ---------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                    output_token_ids: list[int] | None = None) -> None:
+        """Queue a request in vLLM; ``output_token_ids`` resumes one whose first outputs
+        were already delivered (failover).
+
+        Raises:
+            RequestRejected: empty or too long prompt, bad parameters, token ids out of
+                the vocabulary, duplicate id, or a resumed request with nothing left.
+        """
+        outputs = list(output_token_ids or ())
+        self._check(request_id, prompt_token_ids, sampling, len(outputs))
+        from vllm.exceptions import VLLMClientError
+        from vllm.inputs import TokensPrompt
+
+        all_ids = [*prompt_token_ids, *outputs]
+        try:
+            (prompt,) = self.engine.renderer.render_cmpl([TokensPrompt(prompt_token_ids=all_ids)])
+            self.engine.add_request(request_id, prompt, vllm_sampling(sampling, len(outputs)))
+        except (ValueError, VLLMClientError) as exc:  # vLLM's validation of the request
+            raise RequestRejected(str(exc)) from exc
+        self._requests[request_id] = _Tracked(len(prompt_token_ids), len(outputs))
+        self._num_added += 1
+        self._num_blocks_added += -(-len(all_ids) // self.block_size)
+
+    def _check(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+               num_resumed: int) -> None:
+        """The checks our engine makes (same messages); vLLM validates the rest."""
+        if num_resumed >= sampling.max_tokens:
+            raise RequestRejected(f"resumed with {num_resumed} output tokens of max_tokens {sampling.max_tokens}")
+        if not prompt_token_ids:
+            raise RequestRejected("empty prompt")
+        if len(prompt_token_ids) + sampling.max_tokens > self.max_model_len:
+            raise RequestRejected(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) "
+                                  f"exceeds max_model_len {self.max_model_len}")
+        if request_id in self._requests:
+            raise RequestRejected(f"request {request_id} is already running")
+        try:
+            sampling.validate()
+        except ValueError as exc:
+            raise RequestRejected(str(exc)) from exc
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request in vLLM (its KV blocks are freed now); False when unknown.
+        It emits nothing more."""
+        if self._requests.pop(request_id, None) is None:
+            return False
+        self.engine.abort_request([request_id])
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def num_admittable(self) -> int:
+        """How many new requests to pull now: free sequence slots, or 0 when vLLM left
+        requests waiting after its last step (it is full), or when the free KV blocks do
+        not exceed the prompt blocks of requests added since then plus one block of
+        growth per running request."""
+        num_running, num_waiting = self._scheduler().get_request_counts()
+        if num_waiting > self._num_added:
+            return 0
+        if self._block_pool().get_num_free_blocks() <= self._num_blocks_added + num_running:
+            return 0
+        return max(0, self.max_num_seqs - num_running - num_waiting)
+
+    # -- the loop ------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One vLLM engine step; the new tokens of every request that got some."""
+        self._num_added = self._num_blocks_added = 0
+        results = []
+        for out in self.engine.step():
+            tracked = self._requests.get(out.request_id)
+            if tracked is None:  # aborted here, vLLM's last words
+                continue
+            completion = out.outputs[0]  # type: ignore[index]  # a generating model: no pooling outputs
+            finish = _FINISH.get(str(completion.finish_reason), "abort") if out.finished else None
+            new_ids = list(completion.token_ids)
+            results.append(RequestOutput(out.request_id, new_ids, tracked.next_index, finish,
+                                         tracked.num_prompt_tokens, int(out.num_cached_tokens or 0)))
+            tracked.next_index += len(new_ids)
+            if finish is not None:
+                del self._requests[out.request_id]
+        return results
+
+    def stats(self) -> EngineStats:
+        """Load snapshot: vLLM's running/waiting counts and KV-cache usage as of now,
+        prefix-cache and preemption totals as of its last step. Block counts leave out
+        vLLM's null block (block 0, never allocated)."""
+        scheduler, pool = self._scheduler(), self._block_pool()
+        num_running, num_waiting = scheduler.get_request_counts()
+        c = self._counters
+        return EngineStats(num_running=num_running, num_waiting=num_waiting,
+                           kv_usage=float(scheduler.get_kv_cache_usage()),
+                           num_free_blocks=pool.get_num_free_blocks(), num_blocks=pool.num_gpu_blocks - 1,
+                           num_preemptions=c.num_preemptions, prefix_cache_queries=c.prefix_cache_queries,
+                           prefix_cache_hits=c.prefix_cache_hits)
+
+    def close(self) -> None:
+        """Stop vLLM's engine core and its model process."""
+        self.engine.engine_core.shutdown()
+
+    # -- vLLM internals, in one place -------------------------------------------------
+    def _scheduler(self) -> Scheduler:
+        """The in-process engine core's scheduler (``InprocClient.engine_core``)."""
+        return self.engine.engine_core.engine_core.scheduler  # type: ignore[attr-defined, no-any-return]
+
+    def _block_pool(self) -> Any:
+        return self._scheduler().kv_cache_manager.block_pool
