@@ -65,6 +65,8 @@ class EngineSettings:
     enable_prefix_caching: bool = field(default=True, metadata=_doc("Reuse KV blocks of identical prompt prefixes"))
     enforce_eager: bool = field(default=False, metadata=_doc("Disable CUDA graphs"))
     attention_backend: str = field(default="auto", metadata=_doc("auto | torch | triton"))
+    cpu_threads: int = field(default=0, metadata=_doc(
+        "Intra-op threads on CPU (0: OMP_NUM_THREADS if set, else all cores but one, at least 1)"))
     sim_step_time_ms: float = field(default=20.0, metadata=_doc(
         "Step time of the model-free `sim` backend, ms (one token per running request per step)"))
 
@@ -74,6 +76,7 @@ class EngineSettings:
         assert 0.0 < self.gpu_memory_utilization <= 1.0
         assert self.attention_backend in ("auto", "torch", "triton"), self.attention_backend
         assert self.sim_step_time_ms >= 0.0, self.sim_step_time_ms
+        assert self.cpu_threads >= 0, self.cpu_threads
 
 
 @dataclass(frozen=True, slots=True)

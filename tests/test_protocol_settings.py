@@ -54,3 +54,15 @@ def test_settings_precedence_flag_env_default() -> None:
     with pytest.raises(ValueError, match="INFERQ_PORT"):
         build(GatewaySettings, {}, {"INFERQ_PORT": "eighty"})
     assert "`INFERQ_MAX_NUM_SEQS`" in settings_table()
+
+
+def test_cpu_threads_setting_env_and_default() -> None:
+    import os
+
+    from shared.settings import EngineSettings
+    from worker.engine.engine import cpu_threads
+
+    assert cpu_threads(EngineSettings(cpu_threads=3), {"OMP_NUM_THREADS": "5"}) == 3  # the setting wins
+    assert cpu_threads(EngineSettings(), {"OMP_NUM_THREADS": "5"}) == 5
+    assert cpu_threads(EngineSettings(), {"OMP_NUM_THREADS": "junk"}) == max(1, (os.cpu_count() or 1) - 1)
+    assert cpu_threads(EngineSettings(), {}) == max(1, (os.cpu_count() or 1) - 1)

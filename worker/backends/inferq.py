@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
+import torch
+
 from shared.model_source import resolve_model
 from shared.settings import EngineSettings, ModelSettings
-from worker.engine.engine import LLMEngine
+from worker.engine.engine import LLMEngine, cpu_threads, resolve_device
+
+log = logging.getLogger(__name__)
 
 
 class InferqBackend(LLMEngine):
@@ -13,6 +19,9 @@ class InferqBackend(LLMEngine):
     name = "inferq"
 
     def __init__(self, model_settings: ModelSettings, engine_settings: EngineSettings) -> None:
+        if resolve_device(model_settings.device).type == "cpu":  # the worker process owns its threads
+            torch.set_num_threads(cpu_threads(engine_settings))
+            log.info("CPU engine with %d intra-op threads", torch.get_num_threads())
         source = resolve_model(model_settings.model, model_settings.load_format, model_settings.model_cache_dir)
         super().__init__(source, model_settings, engine_settings)
         self.block_size = engine_settings.block_size

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +86,20 @@ def num_kv_blocks(cfg: ModelConfig, settings: EngineSettings, dtype: torch.dtype
     if budget < block_bytes:
         raise RuntimeError(f"no GPU memory left for the KV cache (budget {budget} bytes)")
     return budget // block_bytes
+
+
+def cpu_threads(settings: EngineSettings, environ: Mapping[str, str] | None = None) -> int:
+    """Intra-op threads for a CPU engine: ``settings.cpu_threads``, else ``OMP_NUM_THREADS``,
+    else all cores but one (at least 1). The spare core is for the gateway, Redis and the
+    worker's own event loop: with every core in the OpenMP team, any other busy process
+    stalls each matmul at its barrier (vLLM's CPU backend keeps a core back likewise).
+    """
+    if settings.cpu_threads:
+        return settings.cpu_threads
+    env = os.environ if environ is None else environ
+    if env.get("OMP_NUM_THREADS", "").isdigit() and int(env["OMP_NUM_THREADS"]) > 0:
+        return int(env["OMP_NUM_THREADS"])
+    return max(1, (os.cpu_count() or 1) - 1)
 
 
 class LLMEngine:
