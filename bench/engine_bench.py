@@ -24,6 +24,7 @@ Run: python bench/engine_bench.py --model Qwen2.5-7B --out bench/results/engine_
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -160,6 +161,17 @@ class Bench:
             rows.append({"batch": b, "mode": "graph", "step_ms": round(ms, 3), "floor_ms": round(floor, 3),
                          "frac_of_floor": round(floor / ms, 3), "tok_s": round(b / ms * 1e3, 1)})
             print(rows[-1], flush=True)
+        engine = self.llm.engine
+        settings = engine.engine_settings
+        engine.engine_settings = dataclasses.replace(settings, async_scheduling=False)
+        for b in (1, 64):  # graphs without async scheduling: the host's share of a step
+            if b <= self.args.max_num_seqs:
+                ms = self.decode_step_ms(b)
+                floor = self.floor_ms(b)
+                rows.append({"batch": b, "mode": "graph_sync", "step_ms": round(ms, 3), "floor_ms": round(floor, 3),
+                             "frac_of_floor": round(floor / ms, 3), "tok_s": round(b / ms * 1e3, 1)})
+                print(rows[-1], flush=True)
+        engine.engine_settings = settings
         graphs = runner.graphs
         runner.graphs = None
         for b in (1, 64):

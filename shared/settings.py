@@ -65,6 +65,8 @@ class EngineSettings:
     enable_prefix_caching: bool = field(default=True, metadata=_doc("Reuse KV blocks of identical prompt prefixes"))
     enforce_eager: bool = field(default=False, metadata=_doc("Disable CUDA graphs"))
     attention_backend: str = field(default="auto", metadata=_doc("auto | torch | triton"))
+    async_scheduling: bool = field(default=True, metadata=_doc(
+        "With CUDA graphs, enqueue the next decode step before the current one's tokens reach the host"))
     cpu_threads: int = field(default=0, metadata=_doc(
         "Intra-op threads on CPU (0: OMP_NUM_THREADS if set, else all cores but one, at least 1)"))
     sim_step_time_ms: float = field(default=20.0, metadata=_doc(

@@ -166,15 +166,16 @@ class DecodeGraphs:
         log.info("captured %d decode CUDA graphs (batch %s x context %s) in %.1f s", len(self.graphs),
                  self.buckets, self.tiers, self.capture_time_s)
 
-    def run(self, n: int, max_seq_len: int | None = None) -> torch.Tensor:
+    def run(self, n: int, max_seq_len: int | None = None, upload: bool = True) -> torch.Tensor:
         """Upload the filled inputs, replay the bucket for ``n`` sequences whose longest
         context is ``max_seq_len`` tokens (default: the largest tier), and return their
         logits ``[n, vocab]`` float32 (a view of the graph's output buffer, valid until
-        the next replay)."""
+        the next replay). ``upload=False``: the caller has uploaded them already."""
         b = next(s for s in self.buckets if s >= n)
         need = self.max_seq_len if max_seq_len is None else max_seq_len
         tier = next(t for t in self.tiers if t >= need)
-        self.inputs.upload()
+        if upload:
+            self.inputs.upload()
         self.graphs[tier, b].replay()
         self.num_replays += 1
         return self.logits[tier, b][:n]

@@ -15,9 +15,9 @@ from shared.protocol import FinishReason
 from shared.sampling import SamplingParams
 from shared.settings import EngineSettings, ModelSettings
 from worker.engine.block_manager import BlockManager
-from worker.engine.model_runner import ModelRunner
-from worker.engine.request import Request
-from worker.engine.scheduler import Scheduler
+from worker.engine.model_runner import DecodeLaunch, ModelRunner
+from worker.engine.request import Request, RequestStatus
+from worker.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from worker.models.config import ModelConfig
 from worker.models.loader import build_model
 
@@ -125,6 +125,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, self.engine_settings.max_num_seqs,
                                    self.engine_settings.max_num_batched_tokens)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        # The decode step enqueued on the GPU and not yet applied (async scheduling).
+        self._inflight: tuple[SchedulerOutput, DecodeLaunch] | None = None
+        self.num_async_steps = 0  # decode steps enqueued behind one still in flight
         log.info("engine ready in %.1f s: %s, max_model_len %d", time.perf_counter() - t0,
                  source.name, self.max_model_len)
 
@@ -165,7 +168,7 @@ class LLMEngine:
         return request is not None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or self._inflight is not None
 
     def num_admittable(self) -> int:
         """How many new requests the worker may pull now: free sequence slots, as long
@@ -180,16 +183,72 @@ class LLMEngine:
 
     # -- the loop ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one forward pass; return the new tokens of every request that got one."""
+        """Run one forward pass; return the new tokens of every request that got one.
+
+        With async scheduling (CUDA graphs, ``async_scheduling``), a pure decode step
+        is enqueued before the previous one's tokens reach the host: its input ids are
+        the previous step's sampled ids on the device, so the host's bookkeeping of
+        step N (fetching ids, stop checks, publishing) overlaps the GPU's step N + 1,
+        as in vLLM's async scheduling. A request that stops at step N has computed one
+        wasted token in step N + 1, which is dropped.
+        """
+        if self._inflight is not None:
+            return self._finish_inflight()
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        sampled = self.runner.execute(out.scheduled)
+        if self._async_decode_ok(out):
+            requests = [item.request for item in out.scheduled]
+            positions = [r.num_computed_tokens for r in requests]
+            self._inflight = (out, self.runner.launch_decode(requests, positions,
+                                                             [r.token_ids[p] for r, p in zip(requests, positions)]))
+            return self._finish_inflight()
+        return self._apply(out, self.runner.execute(out.scheduled))
+
+    def _apply(self, out: SchedulerOutput, sampled: list[int | None]) -> list[RequestOutput]:
         results, finished = self.scheduler.update(out, sampled)
         for request in finished:
             self.runner.sampler.free(request.request_id)
         return [RequestOutput(r.request.request_id, r.new_token_ids, r.first_index, r.request.finish_reason,
                               r.request.num_prompt_tokens, r.request.num_cached_tokens) for r in results]
+
+    def _async_decode_ok(self, out: SchedulerOutput) -> bool:
+        """A step the async path may run: every item one sampled decode token, through
+        the graphs, with no request that needs its token history on the host."""
+        return (self.engine_settings.async_scheduling and self.runner.can_launch_decode(len(out.scheduled))
+                and not out.preempted
+                and all(item.num_tokens == 1 and item.samples and not item.request.sampling.needs_penalties
+                        for item in out.scheduled))
+
+    def _finish_inflight(self) -> list[RequestOutput]:
+        """Enqueue the next decode step when it can follow the one in flight, then wait
+        for the in-flight step's tokens and apply them."""
+        out, launch = self._inflight  # type: ignore[misc]
+        self._inflight = self._launch_next(out, launch)
+        return self._apply(out, launch.token_ids())  # type: ignore[arg-type]
+
+    def _launch_next(self, out: SchedulerOutput, launch: DecodeLaunch
+                     ) -> tuple[SchedulerOutput, DecodeLaunch] | None:
+        """The step after ``out``, for the same requests, each one token further, or
+        None when that is not what the scheduler would run next: a request waits to be
+        admitted, one was aborted or will reach ``max_tokens`` with the token in
+        flight, or the KV cache has no block for the next position."""
+        sched, bm = self.scheduler, self.block_manager
+        requests = [item.request for item in out.scheduled]
+        if sched.waiting or len(requests) != len(sched.running):
+            return None
+        for r in requests:
+            if r.status != RequestStatus.RUNNING or r.num_output_tokens + 1 >= r.sampling.max_tokens \
+                    or r.num_tokens + 1 >= self.max_model_len:
+                return None
+        if sum(bm.blocks_needed(r, 2) for r in requests) > bm.num_free_blocks:
+            return None
+        for r in requests:  # room for the in-flight token's position and the next one
+            bm.allocate(r, 2)
+        positions = [r.num_computed_tokens + 1 for r in requests]
+        nxt = SchedulerOutput(scheduled=[ScheduledRequest(r, 1) for r in requests])
+        self.num_async_steps += 1
+        return nxt, self.runner.launch_decode(requests, positions, launch.sampled)
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

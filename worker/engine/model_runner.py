@@ -24,6 +24,7 @@ import torch
 
 from shared.settings import EngineSettings
 from worker.engine.cuda_graphs import DecodeGraphs
+from worker.engine.request import Request
 from worker.engine.sampler import Sampler
 from worker.engine.scheduler import ScheduledRequest
 from worker.models.attention import AttentionMetadata, select_backend
@@ -39,6 +40,23 @@ def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype:
     shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(cfg.num_layers)]
+
+
+class DecodeLaunch:
+    """A decode step enqueued on the GPU: its sampled ids on the device, and a copy of
+    them to pinned host memory that ``token_ids`` waits for."""
+
+    def __init__(self, sampled: torch.Tensor) -> None:
+        self.sampled = sampled  # [n] int64, device
+        self._host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+        self._host.copy_(sampled, non_blocking=True)
+        self._ready = torch.cuda.Event()
+        self._ready.record()
+
+    def token_ids(self) -> list[int]:
+        """The sampled ids; blocks until the step has run."""
+        self._ready.synchronize()
+        return self._host.tolist()
 
 
 class ModelRunner:
@@ -126,6 +144,43 @@ class ModelRunner:
             lens.append(p + 1)
         graphs.inputs.fill(ids, pos, slots, tables, lens)
         return graphs.run(len(batch), max(lens))
+
+    def can_launch_decode(self, n: int) -> bool:
+        """True when a decode step of ``n`` sequences can run as a graph replay
+        (``launch_decode``)."""
+        return self.graphs is not None and n <= self.graphs.max_batch_size
+
+    @torch.inference_mode()
+    def launch_decode(self, requests: Sequence[Request], positions: Sequence[int],
+                      input_ids: Sequence[int] | torch.Tensor) -> DecodeLaunch:
+        """Enqueue a decode step (one token per request) through the CUDA graphs and its
+        sampling, without waiting for the GPU.
+
+        Args:
+            requests: the sequences, each with a block table that already holds
+                ``positions[i]``.
+            positions: the position of each request's input token (tokens).
+            input_ids: the input tokens, on the host, or ``[n]`` int64 on the device (the
+                sampled ids of the step still in flight: async scheduling).
+
+        Returns:
+            The launch; ``DecodeLaunch.token_ids()`` waits for and returns the sampled ids.
+        """
+        graphs = self.graphs
+        assert graphs is not None and len(requests) <= graphs.max_batch_size
+        bs = self.block_size
+        on_device = isinstance(input_ids, torch.Tensor)
+        host_ids = [0] * len(requests) if on_device else list(input_ids)  # type: ignore[arg-type]
+        slots = [r.block_table[p // bs] * bs + p % bs for r, p in zip(requests, positions)]
+        lens = [p + 1 for p in positions]
+        graphs.inputs.fill(host_ids, list(positions), slots, [r.block_table for r in requests], lens)
+        graphs.inputs.upload()
+        if on_device:  # stream-ordered after the upload and the step that sampled them
+            graphs.inputs.dev64[:len(requests)].copy_(input_ids)  # type: ignore[arg-type]
+        logits = graphs.run(len(requests), max(lens), upload=False)
+        sampled = self.sampler.sample(logits, [r.request_id for r in requests], [r.sampling for r in requests],
+                                      [r.token_ids for r in requests], [r.num_prompt_tokens for r in requests])
+        return DecodeLaunch(sampled)
 
     @torch.inference_mode()
     def execute(self, batch: Sequence[ScheduledRequest]) -> list[int | None]:

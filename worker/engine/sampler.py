@@ -34,7 +34,12 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams],
                  token_ids: Sequence[Sequence[int]], num_prompt_tokens: Sequence[int]) -> list[int]:
-        """Sample the next token of each row.
+        """``sample`` and fetch the ids to the host (the step's one synchronisation)."""
+        return self.sample(logits, request_ids, params, token_ids, num_prompt_tokens).tolist()
+
+    def sample(self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams],
+               token_ids: Sequence[Sequence[int]], num_prompt_tokens: Sequence[int]) -> torch.Tensor:
+        """Sample the next token of each row, on the logits' device, without synchronising.
 
         Args:
             logits: ``[n, vocab_size]`` float32, modified in place.
@@ -43,12 +48,12 @@ class Sampler:
             num_prompt_tokens: per row, how many of ``token_ids`` are prompt.
 
         Returns:
-            ``n`` token ids.
+            ``[n]`` int64 token ids on the logits' device.
         """
         if any(p.needs_penalties for p in params):
             self._apply_penalties(logits, params, token_ids, num_prompt_tokens)
         if all(p.greedy for p in params):
-            return logits.argmax(dim=-1).tolist()
+            return logits.argmax(dim=-1)
 
         n = logits.shape[0]
         dev = logits.device
@@ -72,7 +77,7 @@ class Sampler:
         sampled = (probs / noise).argmax(dim=-1)
         out = torch.where(greedy, argmax, sampled)
         assert out.shape == (n,)
-        return out.tolist()
+        return out
 
     @staticmethod
     def _top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:

@@ -163,6 +163,8 @@ class Scheduler:
         finished: list[Request] = []
         for item, token in zip(out.scheduled, sampled, strict=True):
             request = item.request
+            if request.status.finished:  # aborted, or stopped, while this step was in flight
+                continue
             request.num_computed_tokens += item.num_tokens
             self.block_manager.cache_full_blocks(request)
             if token is None:
