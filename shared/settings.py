@@ -68,7 +68,7 @@ class EngineSettings:
     async_scheduling: bool = field(default=True, metadata=_doc(
         "With CUDA graphs, enqueue the next decode step before the current one's tokens reach the host"))
     cpu_threads: int = field(default=0, metadata=_doc(
-        "Intra-op threads on CPU (0: OMP_NUM_THREADS if set, else all cores but one, at least 1)"))
+        "Intra-op threads on CPU (0: OMP_NUM_THREADS if set, else every core)"))
     sim_step_time_ms: float = field(default=20.0, metadata=_doc(
         "Step time of the model-free `sim` backend, ms (one token per running request per step)"))
 

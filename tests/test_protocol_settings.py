@@ -64,5 +64,18 @@ def test_cpu_threads_setting_env_and_default() -> None:
 
     assert cpu_threads(EngineSettings(cpu_threads=3), {"OMP_NUM_THREADS": "5"}) == 3  # the setting wins
     assert cpu_threads(EngineSettings(), {"OMP_NUM_THREADS": "5"}) == 5
-    assert cpu_threads(EngineSettings(), {"OMP_NUM_THREADS": "junk"}) == max(1, (os.cpu_count() or 1) - 1)
-    assert cpu_threads(EngineSettings(), {}) == max(1, (os.cpu_count() or 1) - 1)
+    assert cpu_threads(EngineSettings(), {"OMP_NUM_THREADS": "junk"}) == os.cpu_count()
+    assert cpu_threads(EngineSettings(), {}) == os.cpu_count()
+
+
+def test_docs_settings_tables_match_code() -> None:
+    """README.md and docs/operations.md carry `inferq settings`' table verbatim."""
+    from pathlib import Path
+
+    from shared.settings import settings_table
+
+    root = Path(__file__).resolve().parents[1]
+    for doc in ("README.md", "docs/operations.md"):
+        text = (root / doc).read_text()
+        start = text.index("| variable | default | meaning |")
+        assert text[start:text.index("\n\n", start)] == settings_table().strip(), f"{doc}: run `inferq settings`"
