@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from shared.protocol import FinishReason
 from shared.sampling import SamplingParams
 from shared.settings import EngineSettings, ModelSettings
-from worker.engine.engine import EngineStats, RequestOutput, RequestRejected
+from worker.engine.engine import EngineStats, RequestOutput, RequestRejected, check_request
 
 
 @dataclass(slots=True)
@@ -76,19 +76,9 @@ class SimBackend:
                 a resumed request with nothing left to generate.
         """
         num_resumed = len(output_token_ids or ())
-        if num_resumed >= sampling.max_tokens:
-            raise RequestRejected(f"resumed with {num_resumed} output tokens of max_tokens {sampling.max_tokens}")
-        if not prompt_token_ids:
-            raise RequestRejected("empty prompt")
-        if len(prompt_token_ids) + sampling.max_tokens > self.max_model_len:
-            raise RequestRejected(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) "
-                                  f"exceeds max_model_len {self.max_model_len}")
+        check_request(prompt_token_ids, sampling, num_resumed, self.max_model_len)
         if request_id in self._known:
             raise RequestRejected(f"request {request_id} is already running")
-        try:
-            sampling.validate()
-        except ValueError as exc:
-            raise RequestRejected(str(exc)) from exc
         self._waiting.append(_SimRequest(request_id, list(prompt_token_ids), sampling, num_resumed))
         self._known.add(request_id)
 

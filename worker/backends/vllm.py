@@ -47,7 +47,7 @@ from shared.model_source import ModelSource, resolve_model
 from shared.protocol import FinishReason
 from shared.sampling import SamplingParams
 from shared.settings import EngineSettings, ModelSettings
-from worker.engine.engine import EngineStats, RequestOutput, RequestRejected
+from worker.engine.engine import EngineStats, RequestOutput, RequestRejected, check_request
 
 if TYPE_CHECKING:
     import vllm
@@ -226,19 +226,9 @@ class VllmBackend:
     def _check(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                num_resumed: int) -> None:
         """The checks our engine makes (same messages); vLLM validates the rest."""
-        if num_resumed >= sampling.max_tokens:
-            raise RequestRejected(f"resumed with {num_resumed} output tokens of max_tokens {sampling.max_tokens}")
-        if not prompt_token_ids:
-            raise RequestRejected("empty prompt")
-        if len(prompt_token_ids) + sampling.max_tokens > self.max_model_len:
-            raise RequestRejected(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) "
-                                  f"exceeds max_model_len {self.max_model_len}")
+        check_request(prompt_token_ids, sampling, num_resumed, self.max_model_len)
         if request_id in self._requests:
             raise RequestRejected(f"request {request_id} is already running")
-        try:
-            sampling.validate()
-        except ValueError as exc:
-            raise RequestRejected(str(exc)) from exc
 
     def abort(self, request_id: str) -> bool:
         """Abort a request in vLLM (its KV blocks are freed now); False when unknown.

@@ -30,6 +30,31 @@ class RequestRejected(ValueError):
     """A request the engine cannot run (too long, duplicate id, bad parameters)."""
 
 
+def check_request(prompt_token_ids: list[int], sampling: SamplingParams, num_resumed: int,
+                  max_model_len: int) -> None:
+    """The checks every backend makes before queueing a request (same messages).
+
+    Args:
+        num_resumed: output tokens already delivered (failover continuation).
+        max_model_len: longest prompt + output, tokens.
+
+    Raises:
+        RequestRejected: nothing left to generate, empty prompt, prompt + ``max_tokens``
+            over ``max_model_len``, or invalid sampling parameters.
+    """
+    if num_resumed >= sampling.max_tokens:
+        raise RequestRejected(f"resumed with {num_resumed} output tokens of max_tokens {sampling.max_tokens}")
+    if not prompt_token_ids:
+        raise RequestRejected("empty prompt")
+    if len(prompt_token_ids) + sampling.max_tokens > max_model_len:
+        raise RequestRejected(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) "
+                              f"exceeds max_model_len {max_model_len}")
+    try:
+        sampling.validate()
+    except ValueError as exc:
+        raise RequestRejected(str(exc)) from exc
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """What one step produced for one request."""
@@ -144,18 +169,11 @@ class LLMEngine:
                 a resumed request with nothing left to generate.
         """
         outputs = list(output_token_ids or ())
-        if len(outputs) >= sampling.max_tokens:
-            raise RequestRejected(f"resumed with {len(outputs)} output tokens of max_tokens {sampling.max_tokens}")
-        if not prompt_token_ids:
-            raise RequestRejected("empty prompt")
-        if len(prompt_token_ids) + sampling.max_tokens > self.max_model_len:
-            raise RequestRejected(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) "
-                                  f"exceeds max_model_len {self.max_model_len}")
+        check_request(prompt_token_ids, sampling, len(outputs), self.max_model_len)
         all_ids = [*prompt_token_ids, *outputs]
         if max(all_ids) >= self.model_config.vocab_size or min(all_ids) < 0:
             raise RequestRejected("token id out of the vocabulary")
         try:
-            sampling.validate()
             self.scheduler.add(Request(request_id, list(prompt_token_ids), sampling, self.eos_token_ids,
                                        token_ids=all_ids))
         except ValueError as exc:
