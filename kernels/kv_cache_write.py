@@ -28,7 +28,7 @@ def check_kv_write_args(key: torch.Tensor, value: torch.Tensor, k_cache: torch.T
 
 
 def kv_cache_write_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                       v_cache: torch.Tensor, slot_mapping: torch.Tensor, has_padding: bool = True) -> None:
     """PyTorch reference: ``cache.view(-1, H, D)[slot] = key`` for every slot >= 0.
 
     Args:
@@ -36,13 +36,16 @@ def kv_cache_write_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, written in place.
         slot_mapping: ``[num_tokens]`` int32/int64; slot ``-1`` marks a padding token
             (CUDA-graph padding) that is not written.
+        has_padding: ``False`` when the caller knows every slot is >= 0 (skips a check
+            that costs a reduction per layer on CPU).
     """
     check_kv_write_args(key, value, k_cache, v_cache, slot_mapping)
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     slots = slot_mapping.long()
-    valid = slots >= 0
-    if not bool(valid.all()):
-        slots, key, value = slots[valid], key[valid], value[valid]
+    if has_padding:
+        valid = slots >= 0
+        if not bool(valid.all()):
+            slots, key, value = slots[valid], key[valid], value[valid]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
 

@@ -58,8 +58,14 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         seq_lens: torch.Tensor, scale: float,
                         out: torch.Tensor | None = None,
                         query_lens_cpu: list[int] | None = None,
-                        seq_lens_cpu: list[int] | None = None) -> torch.Tensor:
+                        seq_lens_cpu: list[int] | None = None,
+                        key: torch.Tensor | None = None,
+                        value: torch.Tensor | None = None) -> torch.Tensor:
     """PyTorch reference of causal varlen attention over the paged cache (CPU and CUDA).
+
+    Also the CPU engine's attention, so it avoids copies: decode tokens are one padded
+    SDPA call over the blocks gathered with ``index_select``, and a prefill without
+    earlier context attends to this step's ``key``/``value`` without reading the cache.
 
     Args:
         q: ``[num_tokens, num_heads, head_dim]``, float32/bfloat16/float16.
@@ -72,6 +78,9 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         out: optional ``[num_tokens, num_heads, head_dim]`` output buffer.
         query_lens_cpu, seq_lens_cpu: the same lengths as Python lists, when the caller
             has them, to avoid device-to-host copies.
+        key, value: optional ``[num_tokens, num_kv_heads, head_dim]``, this step's K/V,
+            already written to the cache (the model passes them); used for sequences
+            whose whole context is in this step.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in q's dtype.
@@ -95,54 +104,64 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         if q_len <= 1:
             continue
         start, ctx = starts[i], s_lens[i]
-        k = _gather_kv(k_cache, block_tables[i], ctx).transpose(0, 1)  # [kvh, ctx, d]
-        v = _gather_kv(v_cache, block_tables[i], ctx).transpose(0, 1)
-        qi = q[start:start + q_len].transpose(0, 1)  # [h, q_len, d]
-        if ctx == q_len:  # no earlier context: plain causal (SDPA's fused path)
+        if ctx == q_len and key is not None and value is not None:
+            k = key[start:start + q_len].transpose(0, 1)  # [kvh, ctx, d]
+            v = value[start:start + q_len].transpose(0, 1)
+        else:
+            k = _gather_kv(k_cache, block_tables[i], ctx).transpose(0, 1)
+            v = _gather_kv(v_cache, block_tables[i], ctx).transpose(0, 1)
+        # 4-D ([1, heads, len, d]) so that SDPA takes its fused (flash) CPU kernel.
+        qi = q[start:start + q_len].transpose(0, 1).unsqueeze(0)
+        k, v = k.unsqueeze(0), v.unsqueeze(0)
+        if ctx == q_len:  # no earlier context: plain causal
             o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             # Query j sits at absolute position ctx - q_len + j and sees keys 0..that position.
             pos_q = torch.arange(ctx - q_len, ctx, device=q.device)
             mask = pos_q[:, None] >= torch.arange(ctx, device=q.device)[None, :]
             o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-        out[start:start + q_len] = o.transpose(0, 1)
+        out[start:start + q_len] = o[0].transpose(0, 1)
     return out
 
 
 def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_tables: torch.Tensor, starts: list[int], s_lens: list[int],
                   rows: list[int], scale: float, out: torch.Tensor) -> None:
-    """Single-token queries of the sequences ``rows`` in one padded, grouped computation.
+    """Single-token queries of the sequences ``rows`` in one padded SDPA call.
 
-    Query heads are grouped by their KV head (``[B, kvh, group, d]``), so GQA needs no
-    copy of K/V per query head; keys past a sequence's length are masked to -inf.
-    Softmax in float32.
+    Each sequence's blocks are gathered with one ``index_select`` (whole blocks are
+    contiguous rows, about twice as fast as advanced indexing on CPU) into
+    ``[B, L, kvh, d]``; SDPA reads the ``[B, kvh, L, d]`` view of it without a copy and
+    shares K/V among the query heads of a group (``enable_gqa``); keys past a sequence's
+    length are masked.
     """
     device = q.device
     max_len = max(s_lens[i] for i in rows)
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     num_blocks = (max_len + block_size - 1) // block_size
-    bsz, group = len(rows), q.shape[1] // num_kv_heads
-    if bsz == len(starts) - 1:  # every sequence decodes: no row selection
-        tables, qb = block_tables[:, :num_blocks].long(), q
+    bsz = len(rows)
+    every = bsz == len(starts) - 1  # every sequence decodes: no row selection
+    if every:
+        tables, qb = block_tables[:, :num_blocks], q
     else:
-        idx = torch.tensor(rows, device=device)
-        tables = block_tables.index_select(0, idx)[:, :num_blocks].long()  # [B, nb]
-        qb = q.index_select(0, torch.tensor([starts[i] for i in rows], device=device))
-    k = k_cache[tables].view(bsz, num_blocks * block_size, num_kv_heads, head_dim)[:, :max_len]
-    v = v_cache[tables].view(bsz, num_blocks * block_size, num_kv_heads, head_dim)[:, :max_len]
-    qg = qb.view(bsz, num_kv_heads, group, head_dim)
-    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale  # [B, kvh, g, L]
+        tables = block_tables.index_select(0, torch.tensor(rows, device=device))[:, :num_blocks]
+        token_idx = torch.tensor([starts[i] for i in rows], device=device)
+        qb = q.index_select(0, token_idx)
+    flat = tables.reshape(-1).long()
+    shape = (bsz, num_blocks * block_size, num_kv_heads, head_dim)
+    k = k_cache.index_select(0, flat).view(shape)[:, :max_len].transpose(1, 2)  # [B, kvh, L, d]
+    v = v_cache.index_select(0, flat).view(shape)[:, :max_len].transpose(1, 2)
     lens = [s_lens[i] for i in rows]
+    mask = None
     if min(lens) < max_len:
-        pad = torch.arange(max_len, device=device)[None, :] >= torch.tensor(lens, device=device)[:, None]
-        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    o = torch.matmul(probs, v.transpose(1, 2)).reshape(bsz, -1, head_dim)  # [B, h, d]
-    if bsz == len(starts) - 1:
+        keep = torch.arange(max_len, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
+        mask = keep[:, None, None, :]  # [B, 1, 1, L]
+    o = F.scaled_dot_product_attention(qb.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
+                                       enable_gqa=q.shape[1] != num_kv_heads).squeeze(2)  # [B, h, d]
+    if every:
         out.copy_(o)
     else:
-        out.index_copy_(0, torch.tensor([starts[i] for i in rows], device=device), o)
+        out.index_copy_(0, token_idx, o)
 
 
 # --------------------------------------------------------------------------------------

@@ -79,6 +79,24 @@ def test_reference_attention_lists_match_tensors() -> None:
     torch.testing.assert_close(a, b)
 
 
+def test_reference_attention_with_this_steps_kv_matches_the_cache() -> None:
+    """Sequences whose whole context is in the step attend to the passed ``key``/``value``
+    (the engine's CPU path); the result equals reading the same K/V from the cache."""
+    seqs = [(6, 6), (1, 9), (4, 11), (5, 5)]
+    q, kc, vc, tables, qsl, sl, q_lens, s_lens = _batch(seqs, 2, 3, 16, 4, seed=2)
+    block_size = kc.shape[1]
+    rows = [(b, s - n + j) for b, (n, s) in enumerate(seqs) for j in range(n)]  # (seq, position)
+    key = torch.stack([kc[tables[b, p // block_size], p % block_size] for b, p in rows])
+    value = torch.stack([vc[tables[b, p // block_size], p % block_size] for b, p in rows])
+    a = paged_attention_ref(q, kc, vc, tables, qsl, sl, 0.25)
+    b = paged_attention_ref(q, kc, vc, tables, qsl, sl, 0.25, key=key, value=value)
+    torch.testing.assert_close(a, b)
+    # And the passed K/V are what is read: poison them and the fresh-context rows change.
+    c = paged_attention_ref(q, kc, vc, tables, qsl, sl, 0.25, key=key + 1.0, value=value + 1.0)
+    fresh = torch.tensor([n == s for n, s in seqs]).repeat_interleave(torch.tensor(q_lens))
+    assert not torch.allclose(a[fresh], c[fresh]) and torch.equal(a[~fresh], c[~fresh])
+
+
 def test_reference_attention_rejects_bad_shapes() -> None:
     q, kc, vc, tables, qsl, sl, _, _ = _batch([(1, 5)], 2, 2, 16, 4)
     with pytest.raises(ValueError):

@@ -127,6 +127,7 @@ class ModelRunner:
             max_seq_len=max(s_lens),
             query_lens_cpu=q_lens,
             seq_lens_cpu=s_lens,
+            has_padding=False,
         )
         return d64[:num_tokens], d64[num_tokens:2 * num_tokens], meta, d64[3 * num_tokens:]
 

@@ -22,7 +22,8 @@ class AttentionMetadata:
         query_start_loc: ``[num_seqs + 1]`` int32, cumulative query lengths.
         seq_lens: ``[num_seqs]`` int32, context length after this step's tokens.
     Host values: ``max_query_len``, ``max_seq_len`` (tokens) and, for the reference
-    backend, the per-sequence lengths as lists.
+    backend, the per-sequence lengths as lists; ``has_padding`` is ``False`` when every
+    slot is a real token (an eager step), which spares the reference a check per layer.
     """
 
     slot_mapping: torch.Tensor
@@ -33,6 +34,7 @@ class AttentionMetadata:
     max_seq_len: int
     query_lens_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
+    has_padding: bool = True
 
 
 class TorchAttentionBackend:
@@ -46,10 +48,10 @@ class TorchAttentionBackend:
                  scale: float) -> torch.Tensor:
         """Write ``k, v`` (``[T, num_kv_heads, head_dim]``) to the cache, then attend
         with ``q`` (``[T, num_heads, head_dim]``); returns ``[T, num_heads, head_dim]``."""
-        kv_cache_write_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+        kv_cache_write_ref(k, v, k_cache, v_cache, meta.slot_mapping, meta.has_padding)
         return paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                    meta.seq_lens, scale, query_lens_cpu=meta.query_lens_cpu,
-                                   seq_lens_cpu=meta.seq_lens_cpu)
+                                   seq_lens_cpu=meta.seq_lens_cpu, key=k, value=v)
 
 
 class TritonAttentionBackend:

@@ -28,8 +28,10 @@ from kernels.rotary import rotary as rotary_fused
 from kernels.silu_and_mul import silu_and_mul
 from worker.models.attention import AttentionBackend, AttentionMetadata
 from worker.models.config import ModelConfig
+from worker.models.linear import Linear, linear, pack_weight, prepack_for_cpu
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+RopeTables = tuple[torch.Tensor, torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -79,13 +81,19 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, fused: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q [T, H, D]`` and ``k [T, KVH, D]`` by their token positions ``[T]``."""
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """``(cos, sin)``, each ``[T, 1, D]`` in ``dtype``, of token positions ``[T]``:
+        looked up once per step and shared by every layer."""
+        return (self.cos[positions].unsqueeze(1).to(dtype),  # type: ignore[index]
+                self.sin[positions].unsqueeze(1).to(dtype))  # type: ignore[index]
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, fused: bool = False,
+                tables: RopeTables | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``q [T, H, D]`` and ``k [T, KVH, D]`` by their token positions ``[T]``
+        (``tables``: this step's ``cos_sin(positions)``, when the caller has it)."""
         if fused:
             return rotary_fused(positions, q, k, self.cos, self.sin)  # type: ignore[arg-type]
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        cos, sin = tables if tables is not None else self.cos_sin(positions, q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
@@ -103,13 +111,14 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, kv_cache: KVCache,
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+                meta: AttentionMetadata, backend: AttentionBackend,
+                rope: RopeTables | None = None) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -117,7 +126,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q)[0], self.k_norm(k)[0]
-        q, k = rotary(positions, q, k, "rotary" in backend.fused_ops)
+        q, k = rotary(positions, q, k, "rotary" in backend.fused_ops, rope)
         o = backend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -127,8 +136,8 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -148,10 +157,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 rotary: Rotary, kv_cache: KVCache, meta: AttentionMetadata,
-                backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+                backend: AttentionBackend, rope: RopeTables | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         fused = backend.fused_ops
         h, residual = self.input_layernorm(x, residual, "rmsnorm" in fused)
-        h = self.self_attn(h, positions, rotary, kv_cache, meta, backend)
+        h = self.self_attn(h, positions, rotary, kv_cache, meta, backend, rope)
         h, residual = self.post_attention_layernorm(h, residual, "rmsnorm" in fused)
         return self.mlp(h, "silu_mul" in fused), residual
 
@@ -166,7 +175,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg, max_positions)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.logits_packed: torch.Tensor | None = None  # tied LM head, prepacked on CPU
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -179,11 +189,22 @@ class LlamaForCausalLM(nn.Module):
         """
         x = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
+        rope = None if "rotary" in backend.fused_ops else self.rotary.cos_sin(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta, backend)
+            x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta, backend, rope)
         return self.norm(x, residual, "rmsnorm" in backend.fused_ops)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[n, vocab_size]`` float32 for hidden states ``[n, hidden_size]``."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:
+            return linear(hidden, self.embed_tokens.weight, None, self.logits_packed).float()
+        return self.lm_head(hidden).float()
+
+    def prepack_for_cpu(self) -> int:
+        """Prepack the linear weights (and tied LM head) for oneDNN on CPU; see
+        ``worker/models/linear.py``. Returns how many weights were packed."""
+        n = prepack_for_cpu(self)
+        if n and self.lm_head is None:
+            self.logits_packed = pack_weight(self.embed_tokens.weight)
+            n += 1
+        return n

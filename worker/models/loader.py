@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
@@ -20,6 +21,7 @@ _FUSED = {
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
+log = logging.getLogger(__name__)
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 
@@ -118,4 +120,6 @@ def build_model(cfg: ModelConfig, folder: Path | None, dummy: bool, dtype: torch
         init_dummy_weights(model, seed)
     else:
         load_hf_weights(model, folder)
+    if device.type == "cpu":
+        log.info("prepacked %d CPU weights for oneDNN", model.prepack_for_cpu())
     return model.eval()
