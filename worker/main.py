@@ -13,6 +13,7 @@ from shared.keys import Keys
 from shared.model_source import resolve_model
 from shared.settings import EngineSettings, ModelSettings, RedisSettings, WorkerSettings
 from worker.backends.base import create_backend
+from worker.engine_thread import EngineThread
 from worker.service import Worker, default_worker_id
 
 log = logging.getLogger(__name__)
@@ -34,10 +35,11 @@ async def serve_worker(worker: WorkerSettings, redis_settings: RedisSettings, mo
     """
     if not redis_settings.redis_url:
         raise ValueError("a worker needs --redis-url (or INFERQ_REDIS_URL)")
-    backend = await asyncio.to_thread(create_backend, worker.backend, model, engine)
+    engine_thread = EngineThread()
+    backend = await engine_thread.run(create_backend, worker.backend, model, engine)
     client = aioredis.from_url(redis_settings.redis_url, health_check_interval=10)
     service = Worker(client, Keys(redis_settings.namespace), served_name(model),
-                     worker.worker_id or default_worker_id(), backend, worker.drain_timeout_s)
+                     worker.worker_id or default_worker_id(), backend, worker.drain_timeout_s, engine_thread)
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, service.drain)
     main_task = asyncio.current_task()
@@ -55,3 +57,4 @@ async def serve_worker(worker: WorkerSettings, redis_settings: RedisSettings, mo
         if metrics_server is not None:
             metrics_server.shutdown()
         await client.aclose()
+        engine_thread.close()

@@ -4,7 +4,8 @@ Each turn of the loop:
 1. apply aborts received on the control channel;
 2. pull with XREADGROUP only as many requests as the engine can admit
    (``num_admittable``), blocking briefly only when the engine is idle;
-3. run one engine step in a thread (off the event loop);
+3. run one engine step on the engine thread (``worker/engine_thread.py``), off the
+   event loop;
 4. publish every request's new tokens in one pipeline, XACK + XDEL the entries of
    finished requests in the same pipeline, and abort requests whose gateway is gone
    (PUBLISH reached 0 subscribers).
@@ -30,6 +31,7 @@ from shared.keys import CONSUMER_GROUP, HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, S
 from shared.protocol import AbortMessage, ErrorMessage, GenerateRequest, TokenMessage, WorkerStatus
 from worker.backends.base import EngineBackend
 from worker.engine.engine import RequestOutput, RequestRejected
+from worker.engine_thread import EngineThread
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +65,11 @@ class Worker:
     """Consumes one model's request stream into an engine backend."""
 
     def __init__(self, client: aioredis.Redis, keys: Keys, model: str, worker_id: str,
-                 backend: EngineBackend, drain_timeout_s: float = 60.0) -> None:
+                 backend: EngineBackend, drain_timeout_s: float = 60.0,
+                 engine_thread: EngineThread | None = None) -> None:
         self.redis = client
+        #: Where steps run; pass the thread that built the backend (one OpenMP team).
+        self.engine_thread = engine_thread or EngineThread()
         self.keys = keys
         self.model = model
         self.worker_id = worker_id or default_worker_id()
@@ -130,7 +135,7 @@ class Worker:
                     await self._publish([])
                 if self.backend.has_unfinished_requests():
                     try:
-                        outputs = await asyncio.to_thread(self.backend.step)
+                        outputs = await self.engine_thread.run(self.backend.step)
                     except Exception as exc:  # noqa: BLE001 - reported to every client, then go on
                         await self._fail_all(exc)
                         continue
