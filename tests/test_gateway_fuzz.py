@@ -12,6 +12,8 @@ bodies get the served model's name, or nearly all would stop at the 404.
 from __future__ import annotations
 
 import asyncio
+import importlib
+import pkgutil
 
 import pytest
 import schemathesis
@@ -35,6 +37,28 @@ from tests.test_gateway_harness import (  # noqa: F401 - fixtures are used by na
 )
 
 pytestmark = pytest.mark.timeout(90)
+
+
+def _import_eagerly() -> None:
+    """Import schemathesis's and hypothesis's lazily loaded modules now, on the main thread.
+
+    pytest rewrites the modules of plugin packages (both are plugins) with ``ast`` when they
+    are first imported. CPython 3.11 before 3.11.8 keeps the AST recursion depth in
+    interpreter-wide state, so a first import on the fuzz thread while the event loop's
+    thread also builds an AST can fail with "SystemError: AST constructor recursion depth
+    mismatch" (cpython gh-106905; seen in CI on 3.11.7).
+    """
+    for info in pkgutil.walk_packages(schemathesis.__path__, "schemathesis."):
+        try:
+            importlib.import_module(info.name)
+        except ImportError:  # optional integrations (allure)
+            pass
+    for name in ("hypothesis.internal.conjecture.optimiser", "hypothesis.strategies._internal.flatmapped",
+                 "hypothesis.strategies._internal.random", "hypothesis.strategies._internal.regex"):
+        importlib.import_module(name)
+
+
+_import_eagerly()
 
 #: Per call, s: a request that takes longer counts as a hang (the harness deadline is 10 s).
 CALL_TIMEOUT_S = 15
