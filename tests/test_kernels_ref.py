@@ -83,7 +83,7 @@ def test_reference_attention_with_this_steps_kv_matches_the_cache() -> None:
     """Sequences whose whole context is in the step attend to the passed ``key``/``value``
     (the engine's CPU path); the result equals reading the same K/V from the cache."""
     seqs = [(6, 6), (1, 9), (4, 11), (5, 5)]
-    q, kc, vc, tables, qsl, sl, q_lens, s_lens = _batch(seqs, 2, 3, 16, 4, seed=2)
+    q, kc, vc, tables, qsl, sl, q_lens, _ = _batch(seqs, 2, 3, 16, 4, seed=2)
     block_size = kc.shape[1]
     rows = [(b, s - n + j) for b, (n, s) in enumerate(seqs) for j in range(n)]  # (seq, position)
     key = torch.stack([kc[tables[b, p // block_size], p % block_size] for b, p in rows])

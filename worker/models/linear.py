@@ -1,28 +1,52 @@
 """Linear layers whose weights can also be held prepacked for oneDNN on CPU.
 
-On CPU, ``F.linear`` hands the weight to MKL's GEMM, which repacks it into its blocked
-layout on every call. A decode step multiplies a few rows (one per running sequence) by
-every weight of the model, so that repacking doubles the memory traffic of a step that
-is bound by memory traffic. ``prepack_for_cpu`` reorders each weight once into oneDNN's
-blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, the prepacking that
+On CPU, ``F.linear`` hands the weight to MKL's GEMM, which copies panels of it into its
+blocked layout inside every call. A decode step multiplies a few rows (one per running
+sequence) by every weight of the model, so that repacking doubles the memory traffic of a
+step that is bound by memory traffic. ``Linear.prepack`` reorders its weight once into
+oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, the prepacking that
 PyTorch's Inductor uses for CPU linears and vLLM's CPU backend does through its own
-oneDNN binding); steps of up to ``PACKED_MAX_ROWS`` rows then multiply by the packed copy.
-Bigger prefill steps keep MKL, which is as fast or faster there.
+oneDNN binding); steps of up to ``PackedWeight.max_rows`` rows then multiply by the
+packed copy.
 
-Measured on this 2-core Xeon (AVX-512, float32, weight 3072 x 576, 2 threads): 16 rows
-2.0 -> 1.06 ms, 64 rows 3.2 -> 2.8 ms, 256 rows 7.2 -> 6.7 ms, 2048 rows 49 -> 59 ms
-(``/tmp`` micro-benchmark recorded in ``docs/benchmarks.md``).
+Small steps (up to ``PACKED_MAX_ROWS`` rows) always gain. For prefill-sized steps the
+winner depends on the CPU: on AMD EPYC oneDNN is 2-2.5x faster than MKL at 2048 rows (MKL
+takes generic code paths on non-Intel CPUs), on the Xeon of an earlier machine MKL was
+about 20% faster there. ``choose_max_rows`` therefore times one prefill-sized product both
+ways when a model is packed (``LlamaForCausalLM.prepack_for_cpu``) and keeps MKL for big
+steps only where MKL wins.
+Measured with ``python -m bench.cpu_engine_bench`` (figures in ``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-#: Most rows (tokens) for which the packed weight is used; bigger steps use MKL.
+#: Rows (tokens) up to which a packed weight is always used.
 PACKED_MAX_ROWS = 256
+#: No row limit: the packed weight is used for every step.
+UNLIMITED_ROWS = sys.maxsize
+#: Rows of the prefill-sized product that ``choose_max_rows`` times.
+CALIBRATION_ROWS = 2048
 _PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A oneDNN-blocked copy of a weight and the most rows it is used for."""
+
+    #: opaque ``mkldnn`` tensor from ``torch.ops.mkldnn._reorder_linear_weight``
+    tensor: torch.Tensor
+    #: steps with more rows (tokens) than this use ``F.linear``
+    max_rows: int = PACKED_MAX_ROWS
 
 
 def onednn_linear_available() -> bool:
@@ -32,41 +56,63 @@ def onednn_linear_available() -> bool:
             and hasattr(ops, "_linear_pointwise"))
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """oneDNN-blocked copy (an opaque ``mkldnn`` tensor) of ``weight [out, in]`` on CPU."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+def pack_weight(weight: torch.Tensor, max_rows: int = PACKED_MAX_ROWS) -> PackedWeight:
+    """oneDNN-blocked copy of ``weight [out, in]`` (float32 or bfloat16, CPU)."""
+    return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None), max_rows)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [rows, in] @ weight.T + bias`` through the oneDNN-blocked ``packed`` weight."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
+           packed: PackedWeight | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x [rows, in]``, through ``packed`` (``pack_weight``
-    of ``weight``) when there is one and ``rows <= PACKED_MAX_ROWS``."""
-    if packed is not None and x.dim() == 2 and x.shape[0] <= PACKED_MAX_ROWS:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    of ``weight``) when there is one and ``rows <= packed.max_rows``."""
+    if packed is not None and x.dim() == 2 and x.shape[0] <= packed.max_rows:
+        return packed_linear(x, packed.tensor, bias)
     return F.linear(x, weight, bias)
 
 
+def _median_ms(fn: Callable[[], object], repeat: int = 3) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def choose_max_rows(weight: torch.Tensor, rows: int = CALIBRATION_ROWS) -> int:
+    """The row limit for packed weights on this CPU: ``UNLIMITED_ROWS`` when a ``rows``-row
+    product with ``weight [out, in]`` is faster through the packed copy than through MKL
+    (median of 3 after a warm-up, on the calling thread), else ``PACKED_MAX_ROWS``.
+    Costs 8 such products (about 0.2 s for SmolLM2's MLP weight on 2 cores)."""
+    packed = pack_weight(weight).tensor
+    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+    mkl_ms = _median_ms(lambda: F.linear(x, weight))
+    onednn_ms = _median_ms(lambda: packed_linear(x, packed))
+    return UNLIMITED_ROWS if onednn_ms < mkl_ms else PACKED_MAX_ROWS
+
+
 class Linear(nn.Linear):
-    """``nn.Linear`` that uses a prepacked oneDNN weight for small CPU steps once
-    ``prepack`` has been called (after the weights are loaded; call again if they change)."""
+    """``nn.Linear`` that uses a prepacked oneDNN weight on CPU once ``prepack`` has been
+    called (after the weights are loaded; call again if they change)."""
 
-    packed: torch.Tensor | None = None
+    packed: PackedWeight | None = None
 
-    def prepack(self) -> None:
-        self.packed = pack_weight(self.weight)
+    def prepack(self, max_rows: int = PACKED_MAX_ROWS) -> None:
+        self.packed = pack_weight(self.weight, max_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed)
 
 
-def prepack_for_cpu(model: nn.Module) -> int:
-    """Prepack every ``Linear`` of a CPU model in float32 or bfloat16; returns how many
-    were packed (0 on other devices and dtypes, or without oneDNN). Costs a second copy
-    of those weights in memory (bytes: the same as the weights)."""
+def packable_layers(model: nn.Module) -> list[Linear]:
+    """The ``Linear`` layers of ``model`` on CPU in float32 or bfloat16 (none without oneDNN)."""
     if not onednn_linear_available():
-        return 0
-    layers = [m for m in model.modules() if isinstance(m, Linear)
-              and m.weight.device.type == "cpu" and m.weight.dtype in _PACKED_DTYPES]
-    for m in layers:
-        m.prepack()
-    return len(layers)
+        return []
+    return [m for m in model.modules() if isinstance(m, Linear)
+            and m.weight.device.type == "cpu" and m.weight.dtype in _PACKED_DTYPES]

@@ -28,7 +28,14 @@ from kernels.rotary import rotary as rotary_fused
 from kernels.silu_and_mul import silu_and_mul
 from worker.models.attention import AttentionBackend, AttentionMetadata
 from worker.models.config import ModelConfig
-from worker.models.linear import Linear, linear, pack_weight, prepack_for_cpu
+from worker.models.linear import (
+    Linear,
+    PackedWeight,
+    choose_max_rows,
+    linear,
+    pack_weight,
+    packable_layers,
+)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 RopeTables = tuple[torch.Tensor, torch.Tensor]
@@ -176,7 +183,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg, max_positions)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.logits_packed: torch.Tensor | None = None  # tied LM head, prepacked on CPU
+        self.logits_packed: PackedWeight | None = None  # tied LM head, prepacked on CPU
+        self.packed_max_rows: int | None = None  # row limit of the packed weights (prepack_for_cpu)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -200,11 +208,18 @@ class LlamaForCausalLM(nn.Module):
             return linear(hidden, self.embed_tokens.weight, None, self.logits_packed).float()
         return self.lm_head(hidden).float()
 
-    def prepack_for_cpu(self) -> int:
-        """Prepack the linear weights (and tied LM head) for oneDNN on CPU; see
-        ``worker/models/linear.py``. Returns how many weights were packed."""
-        n = prepack_for_cpu(self)
-        if n and self.lm_head is None:
-            self.logits_packed = pack_weight(self.embed_tokens.weight)
-            n += 1
-        return n
+    def prepack_for_cpu(self, max_rows: int | None = None) -> int:
+        """Prepack the linear weights (and tied LM head) for oneDNN on CPU, used for steps
+        of up to ``max_rows`` rows (default: chosen by timing, ``linear.choose_max_rows``);
+        see ``worker/models/linear.py``. Returns how many weights were packed."""
+        layers = packable_layers(self)
+        if not layers:
+            return 0
+        if max_rows is None:
+            max_rows = choose_max_rows(max((m.weight for m in layers), key=torch.Tensor.numel))
+        for m in layers:
+            m.prepack(max_rows)
+        self.packed_max_rows = max_rows
+        if self.lm_head is None:
+            self.logits_packed = pack_weight(self.embed_tokens.weight, max_rows)
+        return len(layers) + (self.lm_head is None)

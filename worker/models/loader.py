@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from worker.models.config import ModelConfig
+from worker.models.linear import UNLIMITED_ROWS
 from worker.models.llama import LlamaForCausalLM
 
 # HF name (after the "model." prefix is dropped) -> (our parameter, shard index) where
@@ -121,5 +122,8 @@ def build_model(cfg: ModelConfig, folder: Path | None, dummy: bool, dtype: torch
     else:
         load_hf_weights(model, folder)
     if device.type == "cpu":
-        log.info("prepacked %d CPU weights for oneDNN", model.prepack_for_cpu())
+        n = model.prepack_for_cpu()
+        if n:
+            rows = "all" if model.packed_max_rows == UNLIMITED_ROWS else f"up to {model.packed_max_rows}"
+            log.info("prepacked %d CPU weights for oneDNN, used for steps of %s rows", n, rows)
     return model.eval()

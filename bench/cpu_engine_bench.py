@@ -1,0 +1,131 @@
+"""CPU benchmark of the in-house engine's parts on SmolLM2-135M-Instruct (float32).
+
+Sections (``--sections``, comma-separated; default all):
+  hw       float32 rate of a 2048 x 576 x 3072 matrix product (GFLOP/s) and copy
+           bandwidth (GB/s, read + write): the state of a shared machine at run time.
+  linear   ``F.linear`` (MKL, repacks the weight per call) against the oneDNN-prepacked
+           weight of ``worker/models/linear.py`` for the model's four projection shapes
+           and the tied LM head, at 1, 16, 64, 256 and 2048 rows: ms per call.
+  engine   the offline engine on 16 prompts of 256 random tokens, 64 output tokens
+           (greedy, ignore_eos): the two 2048-token prefill steps (ms each), the median
+           decode step (ms, batch 16) and output tok/s, with weights packed for no step
+           (MKL only), for steps of up to 256 rows, and for all steps; and the limit that
+           ``choose_max_rows`` picks on this machine.
+
+Run: python -m bench.cpu_engine_bench --out bench/results/cpu_engine.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import time
+from collections.abc import Callable
+from datetime import date
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from worker.models import linear as linear_mod
+
+MODEL = "SmolLM2-135M-Instruct"
+ROWS = (1, 16, 64, 256, 2048)
+#: (name, out_features, in_features) of SmolLM2-135M's weights.
+SHAPES = (("qkv_proj", 960, 576), ("o_proj", 576, 576), ("gate_up_proj", 3072, 576),
+          ("down_proj", 576, 1536), ("lm_head", 49152, 576))
+
+
+def _time_ms(fn: Callable[[], object], repeat: int) -> float:
+    """Median wall time of ``fn`` over ``repeat`` calls after one warm-up, ms."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def bench_hw() -> dict[str, float]:
+    a, b = torch.randn(2048, 576), torch.randn(3072, 576)
+    ms = _time_ms(lambda: F.linear(a, b), 10)
+    src = torch.randn(64 * 1024 * 1024)
+    dst = torch.empty_like(src)
+    copy_ms = _time_ms(lambda: dst.copy_(src), 5)
+    return {"gemm_gflops": 2 * 2048 * 576 * 3072 / ms / 1e6, "copy_gb_s": 2 * src.numel() * 4 / copy_ms / 1e6}
+
+
+def bench_linear() -> list[dict[str, Any]]:
+    rows_out = []
+    for name, n, k in SHAPES:
+        weight = torch.randn(n, k)
+        packed = linear_mod.pack_weight(weight)
+        for m in ROWS:
+            x = torch.randn(m, k)
+            repeat = 5 if m * n >= 2048 * 3072 else 20
+            mkl = _time_ms(lambda x=x, w=weight: F.linear(x, w), repeat)
+            onednn = _time_ms(lambda x=x, p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""),
+                              repeat)
+            rows_out.append({"weight": name, "out": n, "in": k, "rows": m, "mkl_ms": mkl, "onednn_packed_ms": onednn,
+                             "speedup": mkl / onednn})
+            print(json.dumps(rows_out[-1]), flush=True)
+    return rows_out
+
+
+def _chosen_max_rows() -> int | str:
+    """What ``choose_max_rows`` picks here for SmolLM2's MLP weight (gate_up, 3072 x 576)."""
+    rows = linear_mod.choose_max_rows(torch.randn(3072, 576))
+    return "all" if rows == linear_mod.UNLIMITED_ROWS else rows
+
+
+def bench_engine(max_rows: int) -> dict[str, Any]:
+    """The offline engine with its weights packed for steps of up to ``max_rows`` rows
+    (0: ``F.linear`` everywhere)."""
+    from shared.sampling import SamplingParams
+    from worker.llm import LLM
+
+    engine = LLM(MODEL, dtype="float32", max_num_seqs=16).engine
+    engine.runner.model.prepack_for_cpu(max_rows)
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0.0)
+    for i in range(16):
+        engine.add_request(f"r{i}", [rng.randrange(100, 49152) for _ in range(256)], params)
+    steps = []
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        engine.step()
+        steps.append((time.perf_counter() - t) * 1e3)
+    return {"packed_max_rows": "all" if max_rows == linear_mod.UNLIMITED_ROWS else max_rows,
+            "prefill_ms": steps[:2], "decode_median_ms": statistics.median(steps[2:]),
+            "total_s": sum(steps) / 1e3, "output_tok_s": 16 * 64 / (sum(steps) / 1e3)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sections", default="hw,linear,engine")
+    p.add_argument("--out", default="bench/results/cpu_engine.json")
+    args = p.parse_args()
+    sections = set(args.sections.split(","))
+    result: dict[str, Any] = {"date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
+                              "torch": torch.__version__, "threads": torch.get_num_threads(), "model": MODEL}
+    if "hw" in sections:
+        result["hw"] = bench_hw()
+        print(json.dumps(result["hw"]), flush=True)
+    if "linear" in sections:
+        result["linear"] = bench_linear()
+    if "engine" in sections:
+        result["packed_max_rows_chosen"] = _chosen_max_rows()
+        result["engine"] = [bench_engine(rows) for rows in (0, linear_mod.PACKED_MAX_ROWS, linear_mod.UNLIMITED_ROWS)]
+        for row in result["engine"]:
+            print(json.dumps(row), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
