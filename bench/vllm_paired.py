@@ -21,6 +21,11 @@ the name ``vllm`` and fails. Full run (8 prompts at concurrency 1, 64 at 16; abo
 
     python -m bench.vllm_paired --out bench/results/vllm_paired_cpu.json
 
+On a shared host the speed of the same system drifts by 10-25% from minute to minute
+(measured here: one vLLM engine's decode step between 18.5 and 25 ms), so
+``--rounds N`` runs all systems in turn N times and reports the median of each; ratios
+are taken of the medians (``ratios``) and within each round (``ratios_per_round``).
+
 A smoke run (about 6 minutes, mostly the compiles; ``--enforce-eager`` skips them):
 ``--concurrency 1,2 --min-prompts 2 --prompts-per-slot 1 --input-len 32 --output-len 8``.
 Server logs go to ``--log-dir`` (default /tmp/inferq-vllm-paired).
@@ -32,6 +37,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -71,11 +77,13 @@ class PairedConfig:
     enforce_eager: bool = False
     omp_threads_bind: str = "0-1"
     seed: int = 0
+    #: Passes over all systems in turn; the report's headline is the median per system.
+    rounds: int = 1
 
     def __post_init__(self) -> None:
         assert self.concurrency and all(c >= 1 for c in self.concurrency), self.concurrency
         assert set(self.systems) <= set(SYSTEMS), self.systems
-        assert self.input_len >= 1 and self.output_len >= 1 and self.min_prompts >= 1
+        assert self.input_len >= 1 and self.output_len >= 1 and self.min_prompts >= 1 and self.rounds >= 1
 
     def num_prompts(self, concurrency: int) -> int:
         return max(self.min_prompts, self.prompts_per_slot * concurrency)
@@ -187,6 +195,23 @@ def run_system(system: str, cfg: PairedConfig, log_dir: Path) -> list[dict[str, 
     return rows
 
 
+def medians(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per system and concurrency, the median over rounds of every numeric summary key
+    (with one round: that round's row), in first-seen order."""
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["system"], r["concurrency"]), []).append(r)
+    out = []
+    for (system, c), group in groups.items():
+        row: dict[str, Any] = {"system": system, "concurrency": c, "rounds": len(group)}
+        for k in SUMMARY_KEYS:
+            values = [r[k] for r in group if isinstance(r.get(k), (int, float))]
+            if values:
+                row[k] = statistics.median(values)
+        out.append(row)
+    return out
+
+
 def ratios(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per concurrency, output tok/s of (b) and (c) over (a), where both were run."""
     by = {(r["system"], r["concurrency"]): r["output_throughput"] for r in rows}
@@ -216,7 +241,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[PairedConfig, Path, P
     p.add_argument("--concurrency", default=",".join(map(str, d.concurrency)), help="comma-separated")
     p.add_argument("--systems", default=",".join(d.systems), help=f"comma-separated subset of {','.join(SYSTEMS)}")
     for name in ("input_len", "output_len", "prompts_per_slot", "min_prompts", "max_model_len", "max_num_seqs",
-                 "max_num_batched_tokens", "kv_cache_bytes", "vllm_block_size", "seed"):
+                 "max_num_batched_tokens", "kv_cache_bytes", "vllm_block_size", "seed", "rounds"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     p.add_argument("--dtype", default=d.dtype)
     p.add_argument("--omp-threads-bind", default=d.omp_threads_bind, help="VLLM_CPU_OMP_THREADS_BIND of (a), (b)")
@@ -235,10 +260,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     cfg, out, log_dir = parse_args(argv)
     log_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    rows = [row for system in cfg.systems for row in run_system(system, cfg, log_dir)]
+    rows = [{**row, "round": k} for k in range(cfg.rounds)
+            for system in cfg.systems for row in run_system(system, cfg, log_dir)]
+    summary = medians(rows)
     report = {"date": time.strftime("%Y-%m-%d"), "device": machine(), "model": MODEL,
               "command": "python -m bench.vllm_paired " + " ".join(sys.argv[1:] if argv is None else argv),
-              "wall_s": time.perf_counter() - t0, "config": asdict(cfg), "rows": rows, "ratios": ratios(rows)}
+              "wall_s": time.perf_counter() - t0, "config": asdict(cfg), "medians": summary,
+              "ratios": ratios(summary), "rows": rows,
+              "ratios_per_round": [{"round": k, "ratios": ratios([r for r in rows if r["round"] == k])}
+                                   for k in range(cfg.rounds)]}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report["ratios"]), f"\nwrote {out} ({report['wall_s']:.0f} s)", flush=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.vllm_paired import PairedConfig, inferq_worker_args, parse_args, ratios, vllm_server_argv
+from bench.vllm_paired import PairedConfig, inferq_worker_args, medians, parse_args, ratios, vllm_server_argv
 
 
 def test_flags_build_the_config() -> None:
@@ -35,3 +35,13 @@ def test_ratios_are_over_direct_vllm_per_concurrency() -> None:
         ("vllm", 1, 40.0), ("inferq_vllm", 1, 38.0), ("inferq", 1, 50.0), ("vllm", 16, 160.0), ("inferq", 16, 80.0)]]
     assert ratios(rows) == [{"concurrency": 1, "inferq_vllm_over_vllm": 0.95, "inferq_over_vllm": 1.25},
                             {"concurrency": 16, "inferq_over_vllm": 0.5}]
+
+
+def test_medians_are_per_system_and_concurrency_over_rounds() -> None:
+    rows = [{"system": s, "concurrency": 1, "round": k, "output_throughput": t, "failed": 0}
+            for s, k, t in [("vllm", 0, 40.0), ("inferq", 0, 30.0), ("vllm", 1, 44.0), ("inferq", 1, 38.0),
+                            ("vllm", 2, 41.0), ("inferq", 2, 36.0)]]
+    summary = medians(rows)
+    assert [(r["system"], r["rounds"], r["output_throughput"], r["failed"]) for r in summary] == [
+        ("vllm", 3, 41.0, 0), ("inferq", 3, 36.0, 0)]
+    assert ratios(summary) == [{"concurrency": 1, "inferq_over_vllm": 36.0 / 41.0}]

@@ -5,10 +5,10 @@ Each turn of the loop:
 2. pull with XREADGROUP only as many requests as the engine can admit
    (``num_admittable``), blocking briefly only when the engine is idle;
 3. run one engine step on the engine thread (``worker/engine_thread.py``), off the
-   event loop;
-4. publish every request's new tokens in one pipeline, XACK + XDEL the entries of
-   finished requests in the same pipeline, and abort requests whose gateway is gone
-   (PUBLISH reached 0 subscribers).
+   event loop, while the previous step's outputs are published;
+4. start publishing this step's outputs: every request's new tokens in one pipeline,
+   XACK + XDEL the entries of finished requests in the same pipeline; requests whose
+   gateway is gone (PUBLISH reached 0 subscribers) are aborted at the next turn.
 A heartbeat task refreshes ``{ns}:worker:{id}`` with a TTL; a control task listens for
 aborts. On SIGTERM (``drain()``) the worker stops pulling, finishes what it holds, and
 returns.
@@ -116,36 +116,61 @@ class Worker:
 
     # -- main loop ------------------------------------------------------------------
     async def _main_loop(self) -> None:
-        while True:
-            try:
-                await self._apply_aborts()
-                busy = self.backend.has_unfinished_requests()
-                if self._draining.is_set():
-                    if not busy:
-                        return
-                    if time.monotonic() > self._drain_deadline_s:
-                        log.warning("drain timeout: handing back %d requests", len(self.inflight))
-                        return
-                else:
-                    if time.monotonic() >= self._next_reap_s:
-                        self._next_reap_s = time.monotonic() + REAP_INTERVAL_S
-                        await self.reap()
-                    await self._pull(block_ms=None if busy else IDLE_BLOCK_MS)
-                if self._backlog:  # outputs a Redis error kept from being published
-                    await self._publish([])
-                if self.backend.has_unfinished_requests():
+        # Step N's publish runs while step N+1 computes: it touches Redis and the in-flight
+        # table, never the engine, so a Redis round trip is not added to every step. It
+        # is awaited before the next publish starts, which keeps each stream in order.
+        publishing: asyncio.Task[None] | None = None
+        try:
+            while True:
+                try:
+                    await self._apply_aborts()
+                    busy = self.backend.has_unfinished_requests()
+                    if self._draining.is_set():
+                        if not busy:
+                            return
+                        if time.monotonic() > self._drain_deadline_s:
+                            log.warning("drain timeout: handing back %d requests", len(self.inflight))
+                            return
+                    else:
+                        if time.monotonic() >= self._next_reap_s:
+                            self._next_reap_s = time.monotonic() + REAP_INTERVAL_S
+                            await self.reap()
+                        await self._pull(block_ms=None if busy else IDLE_BLOCK_MS)
+                    if not self.backend.has_unfinished_requests():
+                        await self._settle(publishing)
+                        publishing = None
+                        if self._backlog:  # outputs a Redis error kept from being published
+                            await self._publish([])
+                        continue
+                    step = asyncio.ensure_future(self.engine_thread.run(self.backend.step))
+                    await self._settle(publishing)
+                    publishing = None
                     try:
-                        outputs = await self.engine_thread.run(self.backend.step)
+                        outputs = await step
                     except Exception as exc:  # noqa: BLE001 - reported to every client, then go on
                         await self._fail_all(exc)
                         continue
                     self.num_steps += 1
-                    await self._publish(outputs)
-            except RedisError as exc:
-                log.warning("redis error in worker loop: %s; retrying", exc)
-                await asyncio.sleep(RECONNECT_DELAY_S)
-                if isinstance(exc, ResponseError) and "NOGROUP" in str(exc):
-                    await self._ensure_group()
+                    publishing = asyncio.create_task(self._publish(outputs))
+                except RedisError as exc:
+                    log.warning("redis error in worker loop: %s; retrying", exc)
+                    await asyncio.sleep(RECONNECT_DELAY_S)
+                    if isinstance(exc, ResponseError) and "NOGROUP" in str(exc):
+                        await self._ensure_group()
+        finally:
+            await self._settle(publishing)
+
+    @staticmethod
+    async def _settle(publishing: asyncio.Task[None] | None) -> None:
+        """Wait for a publish started after the previous step. A Redis error is logged, not
+        raised: that publish's outputs stay in ``_backlog`` and go out with the next one,
+        and the step running meanwhile must finish and publish too."""
+        if publishing is None:
+            return
+        try:
+            await publishing
+        except RedisError as exc:
+            log.warning("publish failed, kept for the next one: %s", exc)
 
     async def _ensure_group(self) -> None:
         try:
