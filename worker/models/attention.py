@@ -1,5 +1,5 @@
 """Attention over the paged KV cache as the model sees it: metadata of a flat batch and
-the backend that writes new K/V and attends (PyTorch reference or Triton)."""
+the backend that writes new K/V and attends (PyTorch reference, CPU kernel or Triton)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,26 @@ class AttentionMetadata:
     query_lens_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
     has_padding: bool = True
+    #: CPU backend: ``(token_idx, seq_idx)`` int32 of the decode tokens, built by the
+    #: first layer that needs it (``decode_index``) and shared by the rest.
+    cpu_decode_index: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def decode_index(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(token_idx, seq_idx)``, each ``[n]`` int32: the step's single-token queries (row
+    in the flat batch, sequence), or ``None`` when it has none. Cached on ``meta``."""
+    if meta.cpu_decode_index is None:
+        q_lens = meta.query_lens_cpu
+        if q_lens is None:
+            q_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist()
+        seqs = [i for i, n in enumerate(q_lens) if n == 1]
+        if not seqs:
+            return None
+        starts = meta.query_start_loc.tolist()
+        device = meta.query_start_loc.device
+        meta.cpu_decode_index = (torch.tensor([starts[i] for i in seqs], dtype=torch.int32, device=device),
+                                 torch.tensor(seqs, dtype=torch.int32, device=device))
+    return meta.cpu_decode_index
 
 
 class TorchAttentionBackend:
@@ -52,6 +72,31 @@ class TorchAttentionBackend:
         return paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                    meta.seq_lens, scale, query_lens_cpu=meta.query_lens_cpu,
                                    seq_lens_cpu=meta.seq_lens_cpu, key=k, value=v)
+
+
+class CpuAttentionBackend:
+    """CPU: decode tokens through the C++ paged decode kernel (``kernels/cpu_attention.py``,
+    K/V read in place), prefill chunks through the reference's flash SDPA path."""
+
+    name = "cpu"
+    fused_ops: frozenset[str] = frozenset()
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                 scale: float) -> torch.Tensor:
+        """Same contract as ``TorchAttentionBackend.__call__``."""
+        from kernels.cpu_attention import decode_attention
+
+        kv_cache_write_ref(k, v, k_cache, v_cache, meta.slot_mapping, meta.has_padding)
+        out = torch.empty_like(q)
+        index = decode_index(meta)
+        if index is not None:
+            decode_attention(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, *index, scale)
+        if index is None or index[0].numel() < meta.seq_lens.numel():
+            paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                                scale, out=out, query_lens_cpu=meta.query_lens_cpu,
+                                seq_lens_cpu=meta.seq_lens_cpu, key=k, value=v, skip_decode=True)
+        return out
 
 
 class TritonAttentionBackend:
@@ -80,17 +125,24 @@ class TritonAttentionBackend:
                             scale, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)
 
 
-AttentionBackend = TorchAttentionBackend | TritonAttentionBackend
+AttentionBackend = TorchAttentionBackend | CpuAttentionBackend | TritonAttentionBackend
 
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:
-    """``auto`` picks Triton on CUDA when it imports, else the PyTorch reference.
+    """``auto`` picks Triton on CUDA when it imports, the CPU kernel on CPU when it builds
+    (a C++ compiler and ninja; the first build takes about 40 s), else the PyTorch
+    reference.
 
     Raises:
-        ValueError: ``triton`` asked for where it cannot run.
+        ValueError: ``triton`` or ``cpu`` asked for where it cannot run.
     """
-    from kernels import triton_available
+    from kernels import cpu_attention, triton_available
 
+    if name == "cpu" or (name == "auto" and device.type == "cpu"):
+        if device.type == "cpu" and cpu_attention.available():
+            return CpuAttentionBackend()
+        if name == "cpu":
+            raise ValueError("the cpu attention backend needs a CPU device and a C++ compiler with ninja")
     if name == "torch" or (name == "auto" and (device.type != "cuda" or not triton_available())):
         return TorchAttentionBackend()
     if device.type != "cuda" or not triton_available():
