@@ -6,6 +6,10 @@ Sections (``--sections``, comma-separated; default all):
   linear   ``F.linear`` (MKL, repacks the weight per call) against the oneDNN-prepacked
            weight of ``worker/models/linear.py`` for the model's four projection shapes
            and the tied LM head, at 1, 16, 64, 256 and 2048 rows: ms per call.
+  attention  one layer's decode attention, SmolLM2's heads (9 query, 3 KV, 64 dims),
+           block size 16, batch 1 and 16 at 64, 320 and 1024 context tokens: the PyTorch
+           reference (``index_select`` gather + SDPA) against the C++ kernel of
+           ``kernels/cpu_attention.py``, ms per call and the kernel's K/V read rate (GB/s).
   engine   the offline engine on 16 prompts of 256 random tokens, 64 output tokens
            (greedy, ignore_eos): the two 2048-token prefill steps (ms each), the median
            decode step (ms, batch 16) and output tok/s, with weights packed for no step
@@ -75,6 +79,40 @@ def bench_linear() -> list[dict[str, Any]]:
     return rows_out
 
 
+def bench_attention() -> list[dict[str, Any]]:
+    rows_out = []
+    for batch in (1, 16):
+        for ctx in (64, 320, 1024):
+            rows_out.append(_attention_case(batch, ctx))
+            print(json.dumps(rows_out[-1]), flush=True)
+    return rows_out
+
+
+def _attention_case(batch: int, ctx: int) -> dict[str, Any]:
+    """One layer's decode attention for ``batch`` sequences of ``ctx`` tokens each."""
+    from kernels import cpu_attention
+    from kernels.paged_attention import paged_attention_ref
+
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    num_blocks = -(-ctx // block_size)
+    pool = batch * num_blocks + 1
+    k_cache = torch.randn(pool, block_size, kv_heads, head_dim)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(pool)[:batch * num_blocks].view(batch, num_blocks).int()
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32)
+    q = torch.randn(batch, heads, head_dim)
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    idx = torch.arange(batch, dtype=torch.int32)
+    out = torch.empty_like(q)
+    scale = head_dim ** -0.5
+    ref = _time_ms(lambda: paged_attention_ref(q, k_cache, v_cache, tables, qsl, seq_lens, scale), 50)
+    kernel = _time_ms(lambda: cpu_attention.decode_attention(out, q, k_cache, v_cache, tables, seq_lens,
+                                                             idx, idx, scale), 50)
+    kv_bytes = 2 * batch * ctx * kv_heads * head_dim * 4
+    return {"batch": batch, "context": ctx, "reference_ms": ref, "kernel_ms": kernel, "speedup": ref / kernel,
+            "kernel_kv_gb_s": kv_bytes / kernel / 1e6}
+
+
 def _chosen_max_rows() -> int | str:
     """What ``choose_max_rows`` picks here for SmolLM2's MLP weight (gate_up, 3072 x 576)."""
     rows = linear_mod.choose_max_rows(torch.randn(3072, 576))
@@ -105,7 +143,7 @@ def bench_engine(max_rows: int) -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sections", default="hw,linear,engine")
+    p.add_argument("--sections", default="hw,linear,attention,engine")
     p.add_argument("--out", default="bench/results/cpu_engine.json")
     args = p.parse_args()
     sections = set(args.sections.split(","))
@@ -116,6 +154,8 @@ def main() -> None:
         print(json.dumps(result["hw"]), flush=True)
     if "linear" in sections:
         result["linear"] = bench_linear()
+    if "attention" in sections:
+        result["attention"] = bench_attention()
     if "engine" in sections:
         result["packed_max_rows_chosen"] = _chosen_max_rows()
         result["engine"] = [bench_engine(rows) for rows in (0, linear_mod.PACKED_MAX_ROWS, linear_mod.UNLIMITED_ROWS)]
