@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_extension
+
 
 def check_rms_norm_args(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> None:
     """Validate shapes and dtypes.
@@ -67,7 +69,8 @@ if triton is not None:
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual) * weight, x + residual)``: one Triton launch on CUDA,
-    the reference elsewhere. With ``residual=None`` the second output is ``x``.
+    the C++ kernel on CPU where it builds (``kernels/cpu_extension.py``), the reference
+    elsewhere. With ``residual=None`` the second output is ``x``.
 
     Args:
         x, residual: ``[num_tokens, hidden]``, same dtype; contiguous in ``hidden``.
@@ -78,6 +81,12 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: t
         ValueError: shapes, dtypes or strides do not match.
     """
     check_rms_norm_args(x, residual, weight)
+    if (x.device.type == "cpu" and x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
+            and weight.is_contiguous() and cpu_extension.available()):
+        out = torch.empty_like(x)
+        res_out = torch.empty_like(x) if residual is not None else x
+        cpu_extension.load().fused_add_rms_norm(out, res_out, x, residual, weight, eps)  # type: ignore[union-attr]
+        return out, res_out
     if triton is None or not x.is_cuda:
         return fused_add_rms_norm_ref(x, residual, weight, eps)
     if x.stride(1) != 1 or (residual is not None and residual.stride(1) != 1) or not weight.is_contiguous():

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels import cpu_extension
+
 
 def check_rotary_args(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                       cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -84,14 +86,18 @@ if triton is not None:
 def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``q`` and ``k`` by their positions: in place with one Triton launch on
-    CUDA (the rotation is computed in float32 and rounded once), the out-of-place
-    reference elsewhere. Returns ``(q, k)``. ``q``/``k`` may be strided views (slices
+    CUDA or the C++ kernel on CPU where it builds (``kernels/cpu_extension.py``; both
+    compute in float32 and round once), the out-of-place reference elsewhere. Returns ``(q, k)``. ``q``/``k`` may be strided views (slices
     of a fused QKV output) as long as ``head_dim`` is contiguous.
 
     Raises:
         ValueError: shapes, dtypes or strides do not match.
     """
     check_rotary_args(positions, q, k, cos, sin)
+    if (q.device.type == "cpu" and q.stride(2) == 1 and k.stride(2) == 1 and cos.dtype == torch.float32
+            and cos.stride(1) == 1 and sin.stride() == cos.stride() and cpu_extension.available()):
+        cpu_extension.load().rotary(positions.long().contiguous(), q, k, cos, sin)  # type: ignore[union-attr]
+        return q, k
     if triton is None or not q.is_cuda:
         return rotary_ref(positions, q, k, cos, sin)
     if q.stride(2) != 1 or k.stride(2) != 1 or cos.stride(1) != 1 or sin.stride() != cos.stride():

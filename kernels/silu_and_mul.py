@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_extension
+
 
 def check_silu_and_mul_args(x: torch.Tensor) -> None:
     """Raises ``ValueError`` unless ``x`` is ``[num_tokens, 2 * I]``."""
@@ -45,12 +47,17 @@ if triton is not None:
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of ``x = [gate | up]`` (``[T, 2I] -> [T, I]``): one Triton
-    launch on CUDA, the reference elsewhere.
+    launch on CUDA, the C++ kernel on CPU where it builds (``kernels/cpu_extension.py``),
+    the reference elsewhere.
 
     Raises:
         ValueError: ``x`` is not ``[T, 2I]`` or not contiguous in its last dimension.
     """
     check_silu_and_mul_args(x)
+    if x.device.type == "cpu" and x.stride(1) == 1 and cpu_extension.available():
+        out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
+        cpu_extension.load().silu_and_mul(out, x)  # type: ignore[union-attr]
+        return out
     if triton is None or not x.is_cuda:
         return silu_and_mul_ref(x)
     if x.stride(1) != 1:

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from kernels import cpu_attention
+from kernels import cpu_attention, cpu_extension
 from kernels.paged_attention import paged_attention_ref
 from tests.test_kernels_ref import _batch, _naive_attention
 from worker.models.attention import AttentionMetadata, CpuAttentionBackend, TorchAttentionBackend, select_backend
@@ -27,7 +27,7 @@ def _decode_only(s_lens, num_kv_heads, qpk, head_dim, block_size, dtype=torch.fl
 
 
 def test_kernel_builds_here() -> None:
-    assert cpu_attention.available()
+    assert cpu_extension.available()
 
 
 @pytest.mark.parametrize("s_lens,num_kv_heads,qpk,head_dim,block_size", [

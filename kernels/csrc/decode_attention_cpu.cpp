@@ -1,50 +1,30 @@
 // Paged decode attention on CPU: one query token per sequence against its K/V read in
 // place from the paged cache through the block table (no gather copy).
 //
-// One task per (decode token, KV head): the group of query heads sharing that KV head
-// computes its scores over the whole context (dot products of head_dim floats), takes a
-// numerically stable softmax (max subtracted) and sums the value rows. Tasks run on
-// ATen's intra-op pool (at::parallel_for, OpenMP). Float32 accumulation throughout;
-// bfloat16 caches are widened on load.
+// One task per decode token (or, with fewer tokens than twice the threads, per partition
+// of its blocks): every query head's scores over the context (dot products of head_dim
+// floats), a numerically stable softmax (max subtracted) and the weighted sum of the value
+// rows. A task reads each block front to back, all KV heads of a token together, so the
+// reads stream; tasks run on ATen's intra-op pool (at::parallel_for, OpenMP). Float32
+// accumulation throughout; bfloat16 caches are widened on load.
 //
 // Formulation: vLLM's paged attention (Kwon et al., 2023, "Efficient Memory Management
 // for Large Language Model Serving with PagedAttention"), written here for CPU.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <limits>
 #include <vector>
 
+#include "cpu_math.h"
+
 namespace {
 
-inline float widen(float x) { return x; }
-inline float widen(at::BFloat16 x) { return static_cast<float>(x); }
-
-// e^x for x <= 0 (softmax after the max is subtracted), in a form the compiler
-// vectorizes: Cody-Waite reduction x = n ln2 + r, |r| <= ln2 / 2, then Cephes' degree-6
-// polynomial for e^r (Moshier, Cephes Math Library, expf.c), scaled by 2^n built in the
-// exponent bits. Relative error about 2e-7; inputs below -87 give ~0 (no denormals).
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
+using inferq::exp_nonpositive;
+using inferq::widen;
 
 template <typename T>
 inline float dot(const float* q, const T* k, int64_t n) {
@@ -61,79 +41,156 @@ inline void axpy(float a, const T* x, float* y, int64_t n) {
 }
 
 template <typename T>
-void decode_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
-                           const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                           const torch::Tensor& seq_lens, const torch::Tensor& token_idx,
-                           const torch::Tensor& seq_idx, double scale) {
-  const int64_t n = token_idx.size(0);
-  const int64_t num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t max_blocks = block_tables.size(1);
-  const int64_t q_token_stride = q.stride(0), out_token_stride = out.stride(0);
-  const int64_t cache_block_stride = k_cache.stride(0), cache_token_stride = k_cache.stride(1);
-  const T* q_ptr = q.data_ptr<T>();
-  T* out_ptr = out.data_ptr<T>();
-  const T* k_ptr = k_cache.data_ptr<T>();
-  const T* v_ptr = v_cache.data_ptr<T>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* tokens = token_idx.data_ptr<int32_t>();
-  const int32_t* seqs = seq_idx.data_ptr<int32_t>();
-  const float fscale = static_cast<float>(scale);
+struct DecodeArgs {
+  const T* q;
+  T* out;
+  const T* k;
+  const T* v;
+  const int32_t* tables;
+  const int32_t* lens;
+  const int32_t* tokens;
+  const int32_t* seqs;
+  int64_t num_heads, head_dim, block_size, num_kv_heads, group, max_blocks;
+  int64_t q_token_stride, out_token_stride, cache_block_stride, cache_token_stride;
+  float scale;
+};
 
-  at::parallel_for(0, n * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / num_kv_heads, kvh = task % num_kv_heads;
-      const int64_t token = tokens[i], seq = seqs[i];
-      const int64_t len = lens[seq];
-      const int32_t* table = tables + seq * max_blocks;
-      for (int64_t g = 0; g < group; ++g) {
-        const T* src = q_ptr + token * q_token_stride + (kvh * group + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = widen(src[d]) * fscale;
-      }
-      scores.resize(group * len);
-      std::vector<float> row_max(group, -std::numeric_limits<float>::infinity());
-      const int64_t num_blocks = (len + block_size - 1) / block_size;
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        const T* k = k_ptr + table[b] * cache_block_stride + kvh * head_dim;
-        const int64_t t0 = b * block_size, t1 = std::min(len, t0 + block_size);
-        for (int64_t t = t0; t < t1; ++t, k += cache_token_stride) {
-          for (int64_t g = 0; g < group; ++g) {
-            const float s = dot(qf.data() + g * head_dim, k, head_dim);
-            scores[g * len + t] = s;
-            row_max[g] = std::max(row_max[g], s);
-          }
+// Scratch of one thread, reused across its tasks.
+struct Scratch {
+  std::vector<float> q, scores, acc, row_max, denom;
+};
+
+// One (decode token, partition) task: the partition's blocks of the sequence, every head.
+// Leaves the unnormalized sum of V (acc), the running max and the softmax denominator of
+// each head in the scratch; returns false when the partition is empty.
+template <typename T>
+bool attend_partition(const DecodeArgs<T>& a, int64_t i, int64_t part, int64_t num_parts, Scratch& w) {
+  const int64_t token = a.tokens[i], seq = a.seqs[i];
+  const int64_t len = a.lens[seq];
+  const int32_t* table = a.tables + seq * a.max_blocks;
+  const int64_t num_blocks = (len + a.block_size - 1) / a.block_size;
+  const int64_t per_part = (num_blocks + num_parts - 1) / num_parts;
+  const int64_t b0 = part * per_part, b1 = std::min(num_blocks, b0 + per_part);
+  if (b0 >= b1) return false;
+  const int64_t t0 = b0 * a.block_size, t1 = std::min(len, b1 * a.block_size), n = t1 - t0;
+  const int64_t heads = a.num_heads, d = a.head_dim;
+  for (int64_t h = 0; h < heads; ++h) {
+    const T* src = a.q + token * a.q_token_stride + h * d;
+    for (int64_t x = 0; x < d; ++x) w.q[h * d + x] = widen(src[x]) * a.scale;
+  }
+  w.scores.resize(heads * n);
+  std::fill(w.row_max.begin(), w.row_max.end(), -std::numeric_limits<float>::infinity());
+  // Scores: each block is read front to back (tokens, then KV heads, then dims).
+  for (int64_t b = b0; b < b1; ++b) {
+    const T* block = a.k + table[b] * a.cache_block_stride;
+    const int64_t count = std::min(a.block_size, len - b * a.block_size);
+    for (int64_t off = 0; off < count; ++off) {
+      const int64_t t = b * a.block_size + off - t0;
+      const T* row = block + off * a.cache_token_stride;
+      for (int64_t kvh = 0; kvh < a.num_kv_heads; ++kvh) {
+        const T* key = row + kvh * d;
+        for (int64_t g = 0; g < a.group; ++g) {
+          const int64_t h = kvh * a.group + g;
+          const float score = dot(w.q.data() + h * d, key, d);
+          w.scores[h * n + t] = score;
+          w.row_max[h] = std::max(w.row_max[h], score);
         }
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::vector<float> denom(group, 0.f);
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * len;
-        const float m = row_max[g];
-        float sum = 0.f;
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    float* s = w.scores.data() + h * n;
+    const float m = w.row_max[h];
+    float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) {
-          s[t] = exp_nonpositive(s[t] - m);
-          sum += s[t];
+    for (int64_t t = 0; t < n; ++t) {
+      s[t] = exp_nonpositive(s[t] - m);
+      sum += s[t];
+    }
+    w.denom[h] = sum;
+  }
+  std::fill(w.acc.begin(), w.acc.end(), 0.f);
+  for (int64_t b = b0; b < b1; ++b) {
+    const T* block = a.v + table[b] * a.cache_block_stride;
+    const int64_t count = std::min(a.block_size, len - b * a.block_size);
+    for (int64_t off = 0; off < count; ++off) {
+      const int64_t t = b * a.block_size + off - t0;
+      const T* row = block + off * a.cache_token_stride;
+      for (int64_t kvh = 0; kvh < a.num_kv_heads; ++kvh) {
+        const T* value = row + kvh * d;
+        for (int64_t g = 0; g < a.group; ++g) {
+          const int64_t h = kvh * a.group + g;
+          axpy(w.scores[h * n + t], value, w.acc.data() + h * d, d);
         }
-        denom[g] = sum;
       }
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        const T* v = v_ptr + table[b] * cache_block_stride + kvh * head_dim;
-        const int64_t t0 = b * block_size, t1 = std::min(len, t0 + block_size);
-        for (int64_t t = t0; t < t1; ++t, v += cache_token_stride) {
-          for (int64_t g = 0; g < group; ++g) axpy(scores[g * len + t], v, acc.data() + g * head_dim, head_dim);
+    }
+  }
+  return true;
+}
+
+template <typename T>
+void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, const at::Tensor& token_idx,
+                           const at::Tensor& seq_idx, double scale) {
+  const int64_t n = token_idx.size(0);
+  if (n == 0) return;
+  DecodeArgs<T> a{q.data_ptr<T>(), out.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+                  block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), token_idx.data_ptr<int32_t>(),
+                  seq_idx.data_ptr<int32_t>(), q.size(1), q.size(2), k_cache.size(1), k_cache.size(2),
+                  q.size(1) / k_cache.size(2), block_tables.size(1), q.stride(0), out.stride(0),
+                  k_cache.stride(0), k_cache.stride(1), static_cast<float>(scale)};
+  const int64_t heads = a.num_heads, d = a.head_dim;
+  // Few sequences: split each one's blocks into partitions so every thread has work
+  // (flash-decoding, Dao et al., 2023), merged below by their maxima and denominators.
+  const int64_t threads = at::get_num_threads();
+  const int64_t num_parts = n >= 2 * threads ? 1 : (2 * threads + n - 1) / n;
+  std::vector<float> part_acc, part_max, part_denom;
+  if (num_parts > 1) {
+    part_acc.assign(n * num_parts * heads * d, 0.f);
+    part_max.assign(n * num_parts * heads, -std::numeric_limits<float>::infinity());
+    part_denom.assign(n * num_parts * heads, 0.f);
+  }
+  at::parallel_for(0, n * num_parts, 1, [&](int64_t begin, int64_t end) {
+    Scratch w;
+    w.q.resize(heads * d);
+    w.acc.resize(heads * d);
+    w.row_max.resize(heads);
+    w.denom.resize(heads);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i = task / num_parts, part = task % num_parts;
+      if (!attend_partition(a, i, part, num_parts, w)) continue;
+      if (num_parts == 1) {
+        T* dst = a.out + a.tokens[i] * a.out_token_stride;
+        for (int64_t h = 0; h < heads; ++h) {
+          const float inv = 1.f / w.denom[h];
+          for (int64_t x = 0; x < d; ++x) dst[h * d + x] = static_cast<T>(w.acc[h * d + x] * inv);
         }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        T* dst = out_ptr + token * out_token_stride + (kvh * group + g) * head_dim;
-        const float inv = 1.f / denom[g];
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc[g * head_dim + d] * inv);
+      } else {
+        std::copy(w.acc.begin(), w.acc.end(), part_acc.begin() + task * heads * d);
+        std::copy(w.row_max.begin(), w.row_max.end(), part_max.begin() + task * heads);
+        std::copy(w.denom.begin(), w.denom.end(), part_denom.begin() + task * heads);
       }
     }
   });
+  if (num_parts == 1) return;
+  for (int64_t i = 0; i < n; ++i) {
+    T* dst = a.out + a.tokens[i] * a.out_token_stride;
+    for (int64_t h = 0; h < heads; ++h) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t p = 0; p < num_parts; ++p) m = std::max(m, part_max[(i * num_parts + p) * heads + h]);
+      float denom = 0.f;
+      std::vector<float> sum(d, 0.f);
+      for (int64_t p = 0; p < num_parts; ++p) {
+        const int64_t task = i * num_parts + p;
+        if (part_denom[task * heads + h] == 0.f) continue;  // empty partition
+        const float weight = std::exp(part_max[task * heads + h] - m);
+        denom += part_denom[task * heads + h] * weight;
+        axpy(weight, part_acc.data() + (task * heads + h) * d, sum.data(), d);
+      }
+      for (int64_t x = 0; x < d; ++x) dst[h * d + x] = static_cast<T>(sum[x] / denom);
+    }
+  }
 }
 
 }  // namespace
@@ -142,9 +199,9 @@ void decode_attention_impl(torch::Tensor& out, const torch::Tensor& q, const tor
 // k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] contiguous;
 // block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32;
 // token_idx, seq_idx: [n] int32, the decode tokens and their sequences.
-void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                      torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor token_idx,
-                      torch::Tensor seq_idx, double scale) {
+void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                      at::Tensor block_tables, at::Tensor seq_lens, at::Tensor token_idx,
+                      at::Tensor seq_idx, double scale) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [num_tokens, num_heads, head_dim]");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && out.stride(2) == 1 && out.stride(1) == out.size(2),
               "q and out rows must be contiguous");
@@ -154,18 +211,14 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type() &&
                   v_cache.scalar_type() == q.scalar_type(), "q, out and caches must share a dtype");
   for (const auto* t : {&block_tables, &seq_lens, &token_idx, &seq_idx}) {
-    TORCH_CHECK(t->scalar_type() == torch::kInt32 && t->is_contiguous(), "index tensors must be contiguous int32");
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "index tensors must be contiguous int32");
   }
   TORCH_CHECK(token_idx.sizes() == seq_idx.sizes(), "token_idx and seq_idx must have one length");
-  if (q.scalar_type() == torch::kFloat32) {
+  if (q.scalar_type() == at::kFloat) {
     decode_attention_impl<float>(out, q, k_cache, v_cache, block_tables, seq_lens, token_idx, seq_idx, scale);
-  } else if (q.scalar_type() == torch::kBFloat16) {
+  } else if (q.scalar_type() == at::kBFloat16) {
     decode_attention_impl<at::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens, token_idx, seq_idx, scale);
   } else {
     TORCH_CHECK(false, "decode_attention supports float32 and bfloat16, got ", q.scalar_type());
   }
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "Paged decode attention on CPU (writes out in place)");
 }

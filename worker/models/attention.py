@@ -76,10 +76,11 @@ class TorchAttentionBackend:
 
 class CpuAttentionBackend:
     """CPU: decode tokens through the C++ paged decode kernel (``kernels/cpu_attention.py``,
-    K/V read in place), prefill chunks through the reference's flash SDPA path."""
+    K/V read in place), prefill chunks through the reference's flash SDPA path; the model
+    runs the C++ residual-add + RMSNorm, rotary and SiLU-and-mul kernels with it."""
 
     name = "cpu"
-    fused_ops: frozenset[str] = frozenset()
+    fused_ops: frozenset[str] = frozenset({"rmsnorm", "rotary", "silu_mul"})
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -136,10 +137,10 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
     Raises:
         ValueError: ``triton`` or ``cpu`` asked for where it cannot run.
     """
-    from kernels import cpu_attention, triton_available
+    from kernels import cpu_extension, triton_available
 
     if name == "cpu" or (name == "auto" and device.type == "cpu"):
-        if device.type == "cpu" and cpu_attention.available():
+        if device.type == "cpu" and cpu_extension.available():
             return CpuAttentionBackend()
         if name == "cpu":
             raise ValueError("the cpu attention backend needs a CPU device and a C++ compiler with ninja")
