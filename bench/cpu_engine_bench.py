@@ -12,9 +12,10 @@ Sections (``--sections``, comma-separated; default all):
            ``kernels/cpu_attention.py``, ms per call and the kernel's K/V read rate (GB/s).
   engine   the offline engine on 16 prompts of 256 random tokens, 64 output tokens
            (greedy, ignore_eos): the two 2048-token prefill steps (ms each), the median
-           decode step (ms, batch 16) and output tok/s, with weights packed for no step
-           (MKL only), for steps of up to 256 rows, and for all steps; and the limit that
-           ``choose_max_rows`` picks on this machine.
+           decode step (ms, batch 16) and output tok/s: on the PyTorch reference kernels
+           with weights packed for no step (MKL only), for steps of up to 256 rows and for
+           all steps, then all packed with the C++ CPU kernels (attention, RMSNorm,
+           rotary, SiLU-and-mul); and the limit that ``choose_max_rows`` picks here.
 
 Run: python -m bench.cpu_engine_bench --out bench/results/cpu_engine.json
 """
@@ -119,13 +120,14 @@ def _chosen_max_rows() -> int | str:
     return "all" if rows == linear_mod.UNLIMITED_ROWS else rows
 
 
-def bench_engine(max_rows: int) -> dict[str, Any]:
+def bench_engine(max_rows: int, attention_backend: str = "auto") -> dict[str, Any]:
     """The offline engine with its weights packed for steps of up to ``max_rows`` rows
-    (0: ``F.linear`` everywhere)."""
+    (0: ``F.linear`` everywhere) and the given attention backend (``torch``: the PyTorch
+    reference for attention and the element-wise ops; ``auto``: the C++ CPU kernels)."""
     from shared.sampling import SamplingParams
     from worker.llm import LLM
 
-    engine = LLM(MODEL, dtype="float32", max_num_seqs=16).engine
+    engine = LLM(MODEL, dtype="float32", max_num_seqs=16, attention_backend=attention_backend).engine
     engine.runner.model.prepack_for_cpu(max_rows)
     rng = random.Random(0)
     params = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0.0)
@@ -137,7 +139,7 @@ def bench_engine(max_rows: int) -> dict[str, Any]:
         engine.step()
         steps.append((time.perf_counter() - t) * 1e3)
     return {"packed_max_rows": "all" if max_rows == linear_mod.UNLIMITED_ROWS else max_rows,
-            "prefill_ms": steps[:2], "decode_median_ms": statistics.median(steps[2:]),
+            "attention_backend": engine.runner.backend.name, "prefill_ms": steps[:2], "decode_median_ms": statistics.median(steps[2:]),
             "total_s": sum(steps) / 1e3, "output_tok_s": 16 * 64 / (sum(steps) / 1e3)}
 
 
@@ -158,7 +160,8 @@ def main() -> None:
         result["attention"] = bench_attention()
     if "engine" in sections:
         result["packed_max_rows_chosen"] = _chosen_max_rows()
-        result["engine"] = [bench_engine(rows) for rows in (0, linear_mod.PACKED_MAX_ROWS, linear_mod.UNLIMITED_ROWS)]
+        result["engine"] = [bench_engine(rows, "torch") for rows in (0, linear_mod.PACKED_MAX_ROWS)]
+        result["engine"] += [bench_engine(linear_mod.UNLIMITED_ROWS, backend) for backend in ("torch", "auto")]
         for row in result["engine"]:
             print(json.dumps(row), flush=True)
     with open(args.out, "w") as f:

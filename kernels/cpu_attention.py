@@ -3,8 +3,10 @@
 
 The PyTorch reference gathers each sequence's blocks into a padded tensor
 (``index_select``) before one SDPA call: every K/V byte is read twice and written once.
-The kernel reads K/V in place through the block table, one task per (decode token, KV
-head), so a decode step's attention costs one pass over the context. Prefill chunks stay
+The kernel reads K/V in place through the block table, one task per decode token (or per
+partition of its blocks when there are fewer tokens than twice the threads: flash-decoding,
+merged by the partitions' maxima and denominators), each block front to back, so a decode
+step's attention costs one streaming pass over the context. Prefill chunks stay
 on SDPA's flash kernel (``paged_attention_ref``), which is compute-bound and fast there.
 """
 
