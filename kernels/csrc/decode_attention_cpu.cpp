@@ -60,6 +60,18 @@ struct Scratch {
   std::vector<float> q, scores, acc, row_max, denom;
 };
 
+// Calls fn(t, row) for each token t (absolute position) of blocks [b0, b1) of a sequence
+// of len tokens, in order; row points at the token's first KV head in cache.
+template <typename T, typename Fn>
+inline void for_each_token(const DecodeArgs<T>& a, const T* cache, const int32_t* table, int64_t b0, int64_t b1,
+                           int64_t len, Fn&& fn) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const T* row = cache + table[b] * a.cache_block_stride;
+    const int64_t first = b * a.block_size, last = std::min(len, first + a.block_size);
+    for (int64_t t = first; t < last; ++t, row += a.cache_token_stride) fn(t, row);
+  }
+}
+
 // One (decode token, partition) task: the partition's blocks of the sequence, every head.
 // Leaves the unnormalized sum of V (acc), the running max and the softmax denominator of
 // each head in the scratch; returns false when the partition is empty.
@@ -81,23 +93,16 @@ bool attend_partition(const DecodeArgs<T>& a, int64_t i, int64_t part, int64_t n
   w.scores.resize(heads * n);
   std::fill(w.row_max.begin(), w.row_max.end(), -std::numeric_limits<float>::infinity());
   // Scores: each block is read front to back (tokens, then KV heads, then dims).
-  for (int64_t b = b0; b < b1; ++b) {
-    const T* block = a.k + table[b] * a.cache_block_stride;
-    const int64_t count = std::min(a.block_size, len - b * a.block_size);
-    for (int64_t off = 0; off < count; ++off) {
-      const int64_t t = b * a.block_size + off - t0;
-      const T* row = block + off * a.cache_token_stride;
-      for (int64_t kvh = 0; kvh < a.num_kv_heads; ++kvh) {
-        const T* key = row + kvh * d;
-        for (int64_t g = 0; g < a.group; ++g) {
-          const int64_t h = kvh * a.group + g;
-          const float score = dot(w.q.data() + h * d, key, d);
-          w.scores[h * n + t] = score;
-          w.row_max[h] = std::max(w.row_max[h], score);
-        }
+  for_each_token(a, a.k, table, b0, b1, len, [&](int64_t t, const T* row) {
+    for (int64_t kvh = 0; kvh < a.num_kv_heads; ++kvh) {
+      for (int64_t g = 0; g < a.group; ++g) {
+        const int64_t h = kvh * a.group + g;
+        const float score = dot(w.q.data() + h * d, row + kvh * d, d);
+        w.scores[h * n + t - t0] = score;
+        w.row_max[h] = std::max(w.row_max[h], score);
       }
     }
-  }
+  });
   for (int64_t h = 0; h < heads; ++h) {
     float* s = w.scores.data() + h * n;
     const float m = w.row_max[h];
@@ -110,21 +115,14 @@ bool attend_partition(const DecodeArgs<T>& a, int64_t i, int64_t part, int64_t n
     w.denom[h] = sum;
   }
   std::fill(w.acc.begin(), w.acc.end(), 0.f);
-  for (int64_t b = b0; b < b1; ++b) {
-    const T* block = a.v + table[b] * a.cache_block_stride;
-    const int64_t count = std::min(a.block_size, len - b * a.block_size);
-    for (int64_t off = 0; off < count; ++off) {
-      const int64_t t = b * a.block_size + off - t0;
-      const T* row = block + off * a.cache_token_stride;
-      for (int64_t kvh = 0; kvh < a.num_kv_heads; ++kvh) {
-        const T* value = row + kvh * d;
-        for (int64_t g = 0; g < a.group; ++g) {
-          const int64_t h = kvh * a.group + g;
-          axpy(w.scores[h * n + t], value, w.acc.data() + h * d, d);
-        }
+  for_each_token(a, a.v, table, b0, b1, len, [&](int64_t t, const T* row) {
+    for (int64_t kvh = 0; kvh < a.num_kv_heads; ++kvh) {
+      for (int64_t g = 0; g < a.group; ++g) {
+        const int64_t h = kvh * a.group + g;
+        axpy(w.scores[h * n + t - t0], row + kvh * d, w.acc.data() + h * d, d);
       }
     }
-  }
+  });
   return true;
 }
 
