@@ -139,8 +139,8 @@ def bench_engine(max_rows: int, attention_backend: str = "auto") -> dict[str, An
         engine.step()
         steps.append((time.perf_counter() - t) * 1e3)
     return {"packed_max_rows": "all" if max_rows == linear_mod.UNLIMITED_ROWS else max_rows,
-            "attention_backend": engine.runner.backend.name, "prefill_ms": steps[:2], "decode_median_ms": statistics.median(steps[2:]),
-            "total_s": sum(steps) / 1e3, "output_tok_s": 16 * 64 / (sum(steps) / 1e3)}
+            "attention_backend": engine.runner.backend.name, "prefill_ms": steps[:2],
+            "decode_median_ms": statistics.median(steps[2:]), "total_s": sum(steps) / 1e3, "output_tok_s": 16 * 64 / (sum(steps) / 1e3)}
 
 
 def main() -> None:

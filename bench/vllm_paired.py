@@ -24,7 +24,8 @@ the name ``vllm`` and fails. Full run (8 prompts at concurrency 1, 64 at 16; abo
 On a shared host the speed of the same system drifts by 10-25% from minute to minute
 (measured here: one vLLM engine's decode step between 18.5 and 25 ms), so
 ``--rounds N`` runs all systems in turn N times (the order rotated each round) and
-reports the median of each; ratios are taken of the medians (``ratios``) and within each round (``ratios_per_round``).
+reports the median of each; ratios are taken of the medians (``ratios``) and within each
+round (``ratios_per_round``).
 
 A smoke run (about 6 minutes, mostly the compiles; ``--enforce-eager`` skips them):
 ``--concurrency 1,2 --min-prompts 2 --prompts-per-slot 1 --input-len 32 --output-len 8``.

@@ -66,6 +66,11 @@ if triton is not None:
         tl.store(out_ptr + row * stride_o + offs, (xf * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _contiguous_in_hidden(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> bool:
+    """The layout the fused kernels (Triton, C++) read: rows with unit stride."""
+    return x.stride(1) == 1 and (residual is None or residual.stride(1) == 1) and weight.is_contiguous()
+
+
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual) * weight, x + residual)``: one Triton launch on CUDA,
@@ -81,15 +86,15 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: t
         ValueError: shapes, dtypes or strides do not match.
     """
     check_rms_norm_args(x, residual, weight)
-    if (x.device.type == "cpu" and x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
-            and weight.is_contiguous() and cpu_extension.available()):
+    ext = cpu_extension.load() if x.device.type == "cpu" else None
+    if ext is not None and _contiguous_in_hidden(x, residual, weight):
         out = torch.empty_like(x)
         res_out = torch.empty_like(x) if residual is not None else x
-        cpu_extension.load().fused_add_rms_norm(out, res_out, x, residual, weight, eps)  # type: ignore[union-attr]
+        ext.fused_add_rms_norm(out, res_out, x, residual, weight, eps)
         return out, res_out
     if triton is None or not x.is_cuda:
         return fused_add_rms_norm_ref(x, residual, weight, eps)
-    if x.stride(1) != 1 or (residual is not None and residual.stride(1) != 1) or not weight.is_contiguous():
+    if not _contiguous_in_hidden(x, residual, weight):
         raise ValueError("x, residual and weight must be contiguous in the hidden dimension")
     num_tokens, hidden = x.shape
     out = torch.empty_like(x)

@@ -83,26 +83,34 @@ if triton is not None:
         tl.store(kp + HALF, (g2 * c + g1 * s).to(y1.dtype), mask=kmask)
 
 
+def _contiguous_in_head_dim(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """The layout the in-place kernels (Triton, C++) read: unit stride along head_dim,
+    and cos/sin tables with one layout."""
+    return q.stride(2) == 1 and k.stride(2) == 1 and cos.stride(1) == 1 and sin.stride() == cos.stride()
+
+
 def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``q`` and ``k`` by their positions: in place with one Triton launch on
     CUDA or the C++ kernel on CPU where it builds (``kernels/cpu_extension.py``; both
-    compute in float32 and round once), the out-of-place reference elsewhere. Returns ``(q, k)``. ``q``/``k`` may be strided views (slices
-    of a fused QKV output) as long as ``head_dim`` is contiguous.
+    compute in float32 and round once), the out-of-place reference elsewhere. Returns
+    ``(q, k)``. ``q``/``k`` may be strided views (slices of a fused QKV output) as long
+    as ``head_dim`` is contiguous.
 
     Raises:
         ValueError: shapes, dtypes or strides do not match.
     """
     check_rotary_args(positions, q, k, cos, sin)
-    if (q.device.type == "cpu" and q.stride(2) == 1 and k.stride(2) == 1 and cos.dtype == torch.float32
-            and cos.stride(1) == 1 and sin.stride() == cos.stride() and cpu_extension.available()):
-        cpu_extension.load().rotary(positions.long().contiguous(), q, k, cos, sin)  # type: ignore[union-attr]
+    in_place_ok = _contiguous_in_head_dim(q, k, cos, sin) and cos.dtype == sin.dtype == torch.float32
+    ext = cpu_extension.load() if q.device.type == "cpu" else None
+    if ext is not None and in_place_ok:
+        ext.rotary(positions.long().contiguous(), q, k, cos, sin)
         return q, k
     if triton is None or not q.is_cuda:
         return rotary_ref(positions, q, k, cos, sin)
-    if q.stride(2) != 1 or k.stride(2) != 1 or cos.stride(1) != 1 or sin.stride() != cos.stride():
+    if not _contiguous_in_head_dim(q, k, cos, sin):
         raise ValueError("q, k, cos and sin must be contiguous in head_dim")
-    if cos.dtype != torch.float32 or sin.dtype != torch.float32:
+    if not in_place_ok:
         raise ValueError("cos/sin tables must be float32")
     num_tokens, num_heads, head_dim = q.shape
     if num_tokens == 0:

@@ -54,9 +54,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         ValueError: ``x`` is not ``[T, 2I]`` or not contiguous in its last dimension.
     """
     check_silu_and_mul_args(x)
-    if x.device.type == "cpu" and x.stride(1) == 1 and cpu_extension.available():
+    ext = cpu_extension.load() if x.device.type == "cpu" else None
+    if ext is not None and x.stride(1) == 1:
         out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
-        cpu_extension.load().silu_and_mul(out, x)  # type: ignore[union-attr]
+        ext.silu_and_mul(out, x)
         return out
     if triton is None or not x.is_cuda:
         return silu_and_mul_ref(x)

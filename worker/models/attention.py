@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.cpu_attention import decode_attention
 from kernels.kv_cache_write import kv_cache_write_ref
 from kernels.paged_attention import paged_attention_ref
 
@@ -86,8 +87,6 @@ class CpuAttentionBackend:
                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                  scale: float) -> torch.Tensor:
         """Same contract as ``TorchAttentionBackend.__call__``."""
-        from kernels.cpu_attention import decode_attention
-
         kv_cache_write_ref(k, v, k_cache, v_cache, meta.slot_mapping, meta.has_padding)
         out = torch.empty_like(q)
         index = decode_index(meta)
