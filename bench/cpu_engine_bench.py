@@ -10,6 +10,9 @@ Sections (``--sections``, comma-separated; default all):
            block size 16, batch 1 and 16 at 64, 320 and 1024 context tokens: the PyTorch
            reference (``index_select`` gather + SDPA) against the C++ kernel of
            ``kernels/cpu_attention.py``, ms per call and the kernel's K/V read rate (GB/s).
+  elementwise  SiLU-and-mul ([rows, 2 x 1536]), residual add + RMSNorm ([rows, 576]) and
+           rotary (9 + 3 heads of 64, strided in a QKV row) at 16 and 2048 rows: the
+           PyTorch reference against the public wrapper (the C++ kernel on CPU), ms.
   engine   the offline engine on 16 prompts of 256 random tokens, 64 output tokens
            (greedy, ignore_eos): the two 2048-token prefill steps (ms each), the median
            decode step (ms, batch 16) and output tok/s: on the PyTorch reference kernels
@@ -114,6 +117,35 @@ def _attention_case(batch: int, ctx: int) -> dict[str, Any]:
             "kernel_kv_gb_s": kv_bytes / kernel / 1e6}
 
 
+def bench_elementwise() -> list[dict[str, Any]]:
+    rows_out = []
+    for rows in (16, 2048):
+        for name, (ref, kernel) in _elementwise_cases(rows).items():
+            ref_ms, kernel_ms = _time_ms(ref, 20), _time_ms(kernel, 20)
+            rows_out.append({"op": name, "rows": rows, "reference_ms": ref_ms, "kernel_ms": kernel_ms,
+                             "speedup": ref_ms / kernel_ms})
+            print(json.dumps(rows_out[-1]), flush=True)
+    return rows_out
+
+
+def _elementwise_cases(rows: int) -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
+    """(reference, wrapper) calls of each element-wise op on ``rows`` rows of SmolLM2's shapes."""
+    from kernels.fused_add_rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref
+    from kernels.rotary import rotary, rotary_ref
+    from kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
+
+    gate_up = torch.randn(rows, 2 * 1536)
+    hidden, residual, weight = torch.randn(rows, 576), torch.randn(rows, 576), torch.rand(576)
+    qkv = torch.randn(rows, 15 * 64)
+    q, k = qkv[:, :576].view(rows, 9, 64), qkv[:, 576:768].view(rows, 3, 64)
+    table, positions = torch.randn(4096, 64), torch.randint(0, 4096, (rows,))
+    return {"silu_and_mul": (lambda: silu_and_mul_ref(gate_up), lambda: silu_and_mul(gate_up)),
+            "fused_add_rms_norm": (lambda: fused_add_rms_norm_ref(hidden, residual, weight, 1e-5),
+                                   lambda: fused_add_rms_norm(hidden, residual, weight, 1e-5)),
+            "rotary": (lambda: rotary_ref(positions, q, k, table, table),
+                       lambda: rotary(positions, q, k, table, table))}
+
+
 def _chosen_max_rows() -> int | str:
     """What ``choose_max_rows`` picks here for SmolLM2's MLP weight (gate_up, 3072 x 576)."""
     rows = linear_mod.choose_max_rows(torch.randn(3072, 576))
@@ -145,7 +177,7 @@ def bench_engine(max_rows: int, attention_backend: str = "auto") -> dict[str, An
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sections", default="hw,linear,attention,engine")
+    p.add_argument("--sections", default="hw,linear,attention,elementwise,engine")
     p.add_argument("--out", default="bench/results/cpu_engine.json")
     args = p.parse_args()
     sections = set(args.sections.split(","))
@@ -158,6 +190,8 @@ def main() -> None:
         result["linear"] = bench_linear()
     if "attention" in sections:
         result["attention"] = bench_attention()
+    if "elementwise" in sections:
+        result["elementwise"] = bench_elementwise()
     if "engine" in sections:
         result["packed_max_rows_chosen"] = _chosen_max_rows()
         result["engine"] = [bench_engine(rows, "torch") for rows in (0, linear_mod.PACKED_MAX_ROWS)]
