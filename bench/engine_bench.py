@@ -253,7 +253,7 @@ class Bench:
 
     def prefix(self) -> None:
         assert self.llm is not None
-        bm = self.llm.engine.block_manager
+        bm = self.llm.engine.scheduler.block_manager
         out = {}
         for on in (True, False):
             bm.reset_prefix_cache()

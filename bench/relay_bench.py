@@ -58,15 +58,14 @@ def worker_main(args: argparse.Namespace) -> None:
     from shared.keys import Keys
     from shared.model_source import resolve_model
     from shared.settings import EngineSettings, ModelSettings
+    from worker.backends.base import RequestOutput
     from worker.backends.sim import SimBackend
-    from worker.engine.engine import RequestOutput
     from worker.service import Worker
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    eos = resolve_model(MODEL).config.get("eos_token_id", [])
     backend = SimBackend(ModelSettings(max_model_len=args.max_model_len),
                          EngineSettings(max_num_seqs=args.max_num_seqs), step_time_ms=args.step_time_ms,
-                         eos_token_ids=eos if isinstance(eos, list) else [eos])
+                         config=resolve_model(MODEL).config)
     timings: dict[str, list[tuple[int, float]]] = {}
 
     class TimedWorker(Worker):

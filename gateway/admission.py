@@ -12,8 +12,9 @@ import redis.exceptions
 
 from gateway.errors import OpenAIError
 from shared import protocol
-from shared.keys import CONSUMER_GROUP, STREAM_FIELD
+from shared.keys import STREAM_FIELD
 from shared.protocol import GenerateRequest
+from shared.streams import queue_depth
 
 #: ``Retry-After`` of a 429, seconds.
 RETRY_AFTER_S = 1
@@ -28,27 +29,6 @@ def redis_guard(what: str) -> Iterator[None]:
         yield
     except _UNAVAILABLE as exc:
         raise OpenAIError(503, f"Redis is unavailable ({what}): {exc}", code="redis_unavailable") from exc
-
-
-async def queue_depth(client: aioredis.Redis, stream: str) -> int:
-    """Requests waiting on ``stream``, not yet taken by a worker: XLEN minus the
-    consumer group's pending entries (workers XDEL entries they finish). A missing
-    stream or group counts as empty / nothing pending.
-
-    Raises:
-        redis.exceptions.ConnectionError: Redis unreachable.
-    """
-    length = int(await client.xlen(stream))
-    if length == 0:
-        return 0
-    try:
-        summary = await client.xpending(stream, CONSUMER_GROUP)
-    except redis.exceptions.ResponseError as exc:
-        if "NOGROUP" not in str(exc):
-            raise
-        return length
-    pending = int(summary.get("pending", 0) if isinstance(summary, dict) else summary[0])
-    return max(0, length - pending)
 
 
 async def check_queue(client: aioredis.Redis, stream: str, max_queue_len: int) -> None:
@@ -68,10 +48,11 @@ async def check_queue(client: aioredis.Redis, stream: str, max_queue_len: int) -
                           code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-# SET NX the request-id key and XADD in one atomic step: either both happen or neither
-# (a duplicate id adds nothing to the stream).
+# SET NX the request-id key (value: the wire request id, so only this request frees it)
+# and XADD in one atomic step: either both happen or neither (a duplicate id adds
+# nothing to the stream).
 _ENQUEUE_ONCE = """
-if redis.call('SET', KEYS[2], '1', 'NX', 'EX', ARGV[2]) then
+if redis.call('SET', KEYS[2], ARGV[4], 'NX', 'EX', ARGV[2]) then
   return redis.call('XADD', KEYS[1], '*', ARGV[3], ARGV[1])
 end
 return false
@@ -81,8 +62,10 @@ return false
 async def enqueue(client: aioredis.Redis, stream: str, request: GenerateRequest,
                   request_id_key: str | None = None, ttl_s: int = 0) -> bytes:
     """XADD ``request`` to ``stream``; returns the entry id. With ``request_id_key``
-    (a client-supplied id), the XADD happens only if that key did not exist, and the key
-    is kept for ``ttl_s`` seconds, so the same id sent twice does not run twice.
+    (a client-supplied id), the XADD happens only if that key did not exist; the key
+    then holds ``request.request_id`` until the request ends (``gateway/request_ids.py``
+    deletes it) or for ``ttl_s`` seconds at most, so the same id does not run twice at
+    once.
 
     Raises:
         OpenAIError: 409 duplicate request id; 503 when Redis is unreachable.
@@ -92,8 +75,8 @@ async def enqueue(client: aioredis.Redis, stream: str, request: GenerateRequest,
         if request_id_key is None:
             return await client.xadd(stream, {STREAM_FIELD: payload})
         entry_id = await client.eval(_ENQUEUE_ONCE, 2, stream, request_id_key, payload, max(1, ttl_s),
-                                     STREAM_FIELD)
+                                     STREAM_FIELD, request.request_id)
     if entry_id is None:
-        raise OpenAIError(409, f"a request with id {request.request_id!r} was already submitted",
+        raise OpenAIError(409, "a request with this X-Request-Id is still in flight; send it again after it ends",
                           param="X-Request-Id", code="duplicate_request")
     return entry_id

@@ -12,7 +12,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway.errors import OpenAIError, install_error_handlers
@@ -30,20 +30,21 @@ from gateway.openapi import (
     install_openapi,
 )
 from gateway.queue_metrics import queue_metrics_loop
+from gateway.readiness import Readiness, readiness
 from gateway.relay import Relay
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.state import GatewayState
 from gateway.tasks import BackgroundTasks
 from gateway.tokenize import TokenizerWorker
 from shared.keys import Keys
-from shared.model_source import ModelSource
+from shared.model_source import ModelSource, max_model_len, served_model_name
 from shared.settings import GatewaySettings, ModelSettings, RedisSettings
 
 log = logging.getLogger(__name__)
 
 #: Redis connect timeout, s: a Redis that does not answer turns into a 503 this fast.
 REDIS_CONNECT_TIMEOUT_S = 2.0
-#: How long ``/health`` waits for PING, s.
+#: How long ``/health`` waits for PING and ``/ready`` for the heartbeats, s.
 HEALTH_TIMEOUT_S = 2.0
 
 
@@ -62,7 +63,7 @@ def load_tokenizer(source: ModelSource) -> Any:
 
 def create_app(gateway: GatewaySettings, redis: RedisSettings, model: ModelSettings, source: ModelSource,
                *, tokenizer: Any = None) -> FastAPI:
-    """Build the gateway app. The Redis client, relay reader and tokenizer thread start
+    """Build the gateway app. The Redis client, relay reader and tokenizer threads start
     in the app's lifespan; ``tokenizer`` (optional) skips loading one from ``source``.
 
     Raises:
@@ -71,8 +72,8 @@ def create_app(gateway: GatewaySettings, redis: RedisSettings, model: ModelSetti
     if not redis.redis_url:
         raise ValueError("the gateway needs a Redis URL (redis://host:port/0 or unix:///path)")
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source)
-    served_model_name = model.served_model_name or source.name
-    metrics = GatewayMetrics(served_model_name)
+    served_name = served_model_name(model, source)
+    metrics = GatewayMetrics(served_name)
     keys = Keys(redis.namespace)
 
     @asynccontextmanager
@@ -82,16 +83,18 @@ def create_app(gateway: GatewaySettings, redis: RedisSettings, model: ModelSetti
         relay = Relay(client, keys.gateway_channel(gateway_id),
                       on_orphan=lambda request_id: state.publish_abort(request_id, "orphaned"))
         state = GatewayState(
-            settings=gateway, model_settings=model, served_model_name=served_model_name, source_name=source.name,
+            settings=gateway, model_settings=model, served_model_name=served_name, source_name=source.name,
             keys=keys, gateway_id=gateway_id, redis=client, relay=relay,
-            tokenizer=TokenizerWorker(tokenizer, source.config), metrics=metrics, tasks=BackgroundTasks(),
+            tokenizer=TokenizerWorker(tokenizer, source.config, num_encode_threads=gateway.num_tokenizer_threads,
+                                      encode_timeout_s=gateway.tokenize_timeout_s),
+            metrics=metrics, tasks=BackgroundTasks(),
             created_unix_s=int(time.time()),
-            model_max_positions=int(source.config.get("max_position_embeddings", model.max_model_len)))
+            max_model_len=max_model_len(source.config, model.max_model_len))
         app.state.inferq = state
         relay.start()
         failover = state.tasks.spawn(failover_loop(state), name="failover")
         queue_metrics = state.tasks.spawn(queue_metrics_loop(state), name="queue-metrics")
-        log.info("gateway %s serving %r from stream %s", gateway_id, served_model_name, state.stream)
+        log.info("gateway %s serving %r from stream %s", gateway_id, served_name, state.stream)
         try:
             yield
         finally:
@@ -138,9 +141,18 @@ def create_app(gateway: GatewaySettings, redis: RedisSettings, model: ModelSetti
             return OpenAIError(503, f"Redis is unavailable: {exc!r}", code="redis_unavailable").response()
         return JSONResponse({"status": "ok", "relay_subscribed": state.relay.ready.is_set()})
 
-    @app.get("/metrics", response_class=PlainTextResponse,
-             responses={200: {"description": "Prometheus text format"}})
-    async def metrics_endpoint() -> Response:
+    @app.get("/ready", responses={200: {"model": Readiness}, 503: {"model": Readiness}})
+    async def ready(request: Request) -> Response:
+        return await readiness(get_state(request), HEALTH_TIMEOUT_S)
+
+    # /metrics takes the API key when keys are configured (docs/operations.md, "Metrics");
+    # /health stays open for load balancers.
+    # No response_class=PlainTextResponse: FastAPI would document the JSON 401 as text/plain.
+    @app.get("/metrics", responses={
+        200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
+        **error_responses(401)})
+    async def metrics_endpoint(request: Request) -> Response:
+        check_auth(get_state(request), request)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app

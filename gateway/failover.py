@@ -5,7 +5,8 @@ Every ``CHECK_INTERVAL_S`` the monitor finds the owner of each in-flight request
 worker named in its last token message, or the consumer holding its stream entry in
 the group's pending entries list) and checks the owner's heartbeat key. When the key
 is gone (TTL ``HEARTBEAT_TTL_S`` after a SIGKILL, at once after a drain that timed
-out), one MULTI/EXEC replaces the old entry with a continuation: XACK + XDEL the old
+out) or reports the engine stalled (one step running past the worker's
+``engine_stall_timeout_s``, ``shared/liveness.py``), one MULTI/EXEC replaces the old entry with a continuation: XACK + XDEL the old
 entry, XADD a ``GenerateRequest`` with ``attempt + 1`` and ``output_token_ids`` = the
 tokens the client already has. Greedy output then equals an undisturbed run: the new
 worker recomputes the KV of prompt + delivered tokens and continues, numbering its
@@ -23,6 +24,8 @@ import redis.exceptions
 
 from shared import protocol
 from shared.keys import CONSUMER_GROUP, STREAM_FIELD
+from shared.liveness import live_workers
+from shared.streams import add_finish, as_text
 
 if TYPE_CHECKING:
     from gateway.generation import Generation
@@ -46,19 +49,14 @@ async def find_owners(state: GatewayState, gens: list[Generation]) -> dict[str, 
             replies = await pipe.execute(raise_on_error=False)
         for g, reply in zip(unknown, replies, strict=True):
             if isinstance(reply, list) and reply:
-                consumer = reply[0]["consumer"]
-                owners[g.request_id] = consumer.decode() if isinstance(consumer, bytes) else consumer
+                owners[g.request_id] = as_text(reply[0]["consumer"])
     return owners
 
 
 async def dead_workers(state: GatewayState, worker_ids: set[str]) -> set[str]:
-    """The subset of ``worker_ids`` whose heartbeat key has expired."""
-    ids = sorted(worker_ids)
-    async with state.redis.pipeline(transaction=False) as pipe:
-        for wid in ids:
-            pipe.exists(state.keys.worker_key(wid))
-        alive = await pipe.execute()
-    return {wid for wid, n in zip(ids, alive, strict=True) if not n}
+    """The subset of ``worker_ids`` without a live heartbeat: the key expired, or it
+    reports the engine stalled (``shared/liveness.py``)."""
+    return worker_ids - await live_workers(state.redis, state.keys, worker_ids)
 
 
 async def reenqueue(state: GatewayState, gen: Generation) -> None:
@@ -68,10 +66,9 @@ async def reenqueue(state: GatewayState, gen: Generation) -> None:
     cont = msgspec.structs.replace(old, attempt=old.attempt + 1, output_token_ids=list(gen.output_ids))
     state.relay.set_attempt(gen.request_id, cont.attempt)
     async with state.redis.pipeline(transaction=True) as pipe:
-        pipe.xack(state.stream, CONSUMER_GROUP, gen.entry_id)
-        pipe.xdel(state.stream, gen.entry_id)
+        add_finish(pipe, state.stream, gen.entry_id)
         pipe.xadd(state.stream, {STREAM_FIELD: protocol.encode(cont)})
-        _, _, entry_id = await pipe.execute()
+        entry_id = (await pipe.execute())[-1]  # the XADD's reply
     log.warning("failover of %s from %s after %d tokens (attempt %d)", gen.request_id, gen.worker_id,
                 len(gen.output_ids), cont.attempt)
     gen.resubmitted(cont, entry_id)

@@ -1,8 +1,10 @@
 """The two generation endpoints: validate, tokenize, admit, enqueue, then answer with
-one JSON body or an SSE stream (DESIGN.md, "Request flow").
+one JSON body or an SSE stream (docs/architecture.md, "One request, step by step").
 
-Order of checks: auth (401), body size (413), body (400), model (404), prompt length
-(400), relay subscribed (503), queue depth (429/503), XADD (503).
+Order of checks, cheap before expensive: auth (401), body size (413), body (400: types,
+list limits), model (404), X-Request-Id (400), prompt characters (400, before tokenizing),
+tokenizing (503 past its time budget), prompt tokens (400), relay subscribed (503), queue
+depth (429/503), XADD (503). docs/operations.md, "Limits", lists every limit.
 """
 
 from __future__ import annotations
@@ -23,9 +25,17 @@ from gateway.admission import check_queue, enqueue
 from gateway.errors import OpenAIError
 from gateway.generation import ClientDisconnected, Generation
 from gateway.output import OutputProcessor
+from gateway.request_ids import releasing, wire_request_id
 from gateway.responses import DONE_EVENT, ResponseShape, sse_event, usage
-from gateway.schemas import DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, parse_body
+from gateway.schemas import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    REQUEST_ID_PATTERN,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_body,
+)
 from gateway.state import GatewayState
+from gateway.tokenize import check_prompt_tokens
 from shared.protocol import GenerateRequest
 from shared.sampling import SamplingParams
 
@@ -33,19 +43,29 @@ log = logging.getLogger(__name__)
 
 #: How long a request waits for the relay's subscription before a 503, s.
 RELAY_READY_TIMEOUT_S = 1.0
-_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_REQUEST_ID_RE = re.compile(REQUEST_ID_PATTERN)
 _REJECT_REASONS = {400: "invalid_request", 401: "unauthorized", 404: "unknown_model", 409: "duplicate_request",
                    413: "body_too_large", 429: "queue_full", 503: "unavailable"}
 
 
 def check_auth(state: GatewayState, request: Request) -> None:
-    """Raises OpenAIError 401 unless the bearer token is one of ``api_keys`` (no keys: open)."""
+    """Raises OpenAIError 401 unless the bearer token is one of ``api_keys`` (no keys: open).
+
+    Compares UTF-8 bytes in constant time (``hmac.compare_digest`` raises TypeError on a
+    ``str`` with non-ASCII characters); a missing, malformed or non-ASCII credential is a
+    401, never a 500.
+    """
     keys = state.settings.api_keys
     if not keys:
         return
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not any(hmac.compare_digest(token.strip(), k) for k in keys):
+    token = token.strip()
+    given = token.encode("utf-8", "surrogateescape")
+    valid = scheme.lower() == "bearer" and token.isascii() and token != ""
+    # Every key is compared, so the time does not say which one nearly matched.
+    matches = [hmac.compare_digest(given, k.encode("utf-8", "surrogateescape")) for k in keys]
+    if not (valid and any(matches)):
         raise OpenAIError(401, "invalid or missing API key", code="invalid_api_key")
 
 
@@ -69,8 +89,8 @@ def make_request_id(request: Request, prefix: str) -> str:
     given = request.headers.get("x-request-id")
     if given is None:
         return prefix + secrets.token_hex(16)
-    if not _REQUEST_ID_RE.match(given):
-        raise OpenAIError(400, "X-Request-Id must be 1-128 characters of [A-Za-z0-9._:-]", param="X-Request-Id")
+    if _REQUEST_ID_RE.fullmatch(given) is None:
+        raise OpenAIError(400, f"X-Request-Id must match {REQUEST_ID_PATTERN}", param="X-Request-Id")
     return prefix + given
 
 
@@ -80,9 +100,7 @@ def resolve_max_tokens(requested: int | None, default: int | None, num_prompt_to
 
     ``default`` None means "fill the context" (chat). Raises OpenAIError 400.
     """
-    if num_prompt_tokens >= max_model_len:
-        raise OpenAIError(400, f"the prompt is {num_prompt_tokens} tokens; this model's maximum context length "
-                          f"is {max_model_len} tokens", param=prompt_param)
+    check_prompt_tokens(num_prompt_tokens, max_model_len, prompt_param)
     max_tokens = requested if requested is not None else (
         default if default is not None else max_model_len - num_prompt_tokens)
     if num_prompt_tokens + max_tokens > max_model_len:
@@ -102,18 +120,18 @@ async def handle_generate(state: GatewayState, request: Request, *, chat: bool) 
         req.check()
         if req.model != state.served_model_name:
             raise OpenAIError(404, f"the model {req.model!r} does not exist", param="model", code="model_not_found")
+        request_id = make_request_id(request, "chatcmpl-" if chat else "cmpl-")
         max_len = state.max_model_len
         if isinstance(req, ChatCompletionRequest):
-            prompt_ids = await state.tokenizer.chat_prompt([m.to_template() for m in req.messages])
+            prompt_ids = await state.tokenizer.chat_prompt([m.to_template() for m in req.messages], max_len)
             param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             max_tokens = resolve_max_tokens(req.requested_max_tokens, None, len(prompt_ids), max_len,
                                             "messages", param)
         else:
-            prompt_ids = await state.tokenizer.completion_prompt(req.prompt)
+            prompt_ids = await state.tokenizer.completion_prompt(req.prompt, max_len)
             max_tokens = resolve_max_tokens(req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, len(prompt_ids),
                                             max_len, "prompt", "max_tokens")
         params = req.sampling_params(max_tokens)
-        request_id = make_request_id(request, "chatcmpl-" if chat else "cmpl-")
         gen = await submit(state, request, request_id, prompt_ids, params, req.stop_strings, arrival_s,
                            poll_disconnect=not req.stream)
     except OpenAIError as exc:
@@ -146,14 +164,19 @@ class GenerationStream(StreamingResponse):
 async def submit(state: GatewayState, request: Request, request_id: str, prompt_ids: list[int],
                  params: SamplingParams, stops: list[str], arrival_s: float, *, poll_disconnect: bool) -> Generation:
     """Admit and enqueue one request; returns its ``Generation`` (registered in the
-    relay before the XADD, so no reply can be missed).
+    relay before the XADD, so no reply can be missed). A client's ``X-Request-Id`` is
+    reserved until the request ends and travels with a random suffix
+    (``gateway/request_ids.py``); ``Generation.request_id`` is that wire id.
 
     Raises:
-        OpenAIError: 400 duplicate request id, 429 queue full, 503 Redis or relay down.
+        OpenAIError: 409 duplicate request id, 429 queue full, 503 Redis or relay down.
     """
     if not await state.relay.wait_ready(RELAY_READY_TIMEOUT_S):
         raise OpenAIError(503, "not subscribed to the reply channel (Redis unavailable)", code="redis_unavailable")
     await check_queue(state.redis, state.stream, state.settings.max_queue_len)
+    client_id = request.headers.get("x-request-id") is not None
+    id_key = state.keys.request_id_key(request_id) if client_id else None
+    request_id = wire_request_id(request_id, client_id)
     try:
         queue = state.relay.register(request_id)
     except KeyError:
@@ -166,10 +189,7 @@ async def submit(state: GatewayState, request: Request, request_id: str, prompt_
         reply_channel=state.relay.channel, deadline_unix_s=now_unix_s + (deadline_s - time.monotonic()),
         attempt=0, created_unix_s=now_unix_s)
     try:
-        client_id = request.headers.get("x-request-id") is not None
-        entry_id = await enqueue(state.redis, state.stream, message,
-                                 state.keys.request_id_key(request_id) if client_id else None,
-                                 math.ceil(state.settings.request_timeout_s))
+        entry_id = await enqueue(state.redis, state.stream, message, id_key, math.ceil(state.settings.request_timeout_s))
     except BaseException:
         state.relay.unregister(request_id)
         raise
@@ -178,7 +198,8 @@ async def submit(state: GatewayState, request: Request, request_id: str, prompt_
     processor = OutputProcessor(state.tokenizer.tokenizer, prompt_ids, stops,
                                 state.tokenizer.eos_token_ids | set(params.stop_token_ids))
     gen = Generation(request_id=request_id, queue=queue, processor=processor, tokenizer=state.tokenizer,
-                     arrival_s=arrival_s, deadline_s=deadline_s, on_close=state.release,
+                     arrival_s=arrival_s, deadline_s=deadline_s,
+                     on_close=state.release if id_key is None else releasing(state, id_key, request_id),
                      is_disconnected=request.is_disconnected if poll_disconnect else None)
     gen.submitted(message, entry_id)
     state.generations[request_id] = gen

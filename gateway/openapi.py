@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.schemas import REQUEST_ID_PATTERN, ChatCompletionRequest, CompletionRequest
 
 _REF_TEMPLATE = "#/components/schemas/{model}"
 _BODY_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest)
@@ -101,13 +101,13 @@ class Health(BaseModel):
 
 _ERRORS = {
     400: "Invalid body, field or X-Request-Id, or the prompt does not fit the context",
-    401: "API keys are configured and the bearer token is missing or wrong",
+    401: "API keys are configured and the bearer token is missing, malformed or wrong",
     404: "Unknown model",
     409: "A request with this X-Request-Id is already in flight",
     413: "Body larger than the gateway's max_body_bytes",
     429: "Queue full (Retry-After says when to retry)",
     500: "The worker aborted the request",
-    503: "Redis or the reply channel is unavailable",
+    503: "Redis or the reply channel is unavailable, or tokenizing the prompt overran its time budget",
     504: "The request's deadline passed",
 }
 
@@ -132,7 +132,8 @@ def generation_extra(body: type[BaseModel]) -> dict[str, Any]:
     request_id = {"name": "X-Request-Id", "in": "header", "required": False,
                   "description": "Client request id: a second request with the same id while the first is "
                                  "in flight is a 409",
-                  "schema": {"type": "string", "pattern": r"^[A-Za-z0-9._:\-]{1,128}$"}}
+                  # ECMA-262 ``$`` (JSON Schema) matches only at the very end: no trailing newline.
+                  "schema": {"type": "string", "pattern": f"^{REQUEST_ID_PATTERN}$"}}
     return {"parameters": [request_id],
             "requestBody": {"required": True, "content": {"application/json": {
                 "schema": {"$ref": _REF_TEMPLATE.format(model=body.__name__)}}}}}

@@ -1,9 +1,12 @@
 """OpenAI request bodies (pydantic, validated from raw bytes so every failure becomes a
 400 OpenAI error naming the field) and their conversion to ``SamplingParams``.
 
-Unknown fields are ignored, as OpenAI-compatible servers do. Fields that inferq does
-not implement yet (``logprobs``, ``echo``, ``n > 1``) are refused with a 400 rather than
-silently ignored.
+Types are strict, as OpenAI's are: ``"stream": "yes"``, ``"max_tokens": "16"`` and
+``"prompt": [true, 2]`` are refused rather than coerced (JSON integers are accepted for
+float fields). Unknown fields are ignored, as OpenAI-compatible servers do. Fields that
+inferq does not implement yet (``logprobs``, ``echo``, ``n > 1``) are refused with a 400
+rather than silently ignored. List fields are bounded (``MAX_NUM_*`` below; the
+character bound of prompts is in gateway/tokenize.py); docs/operations.md lists every limit.
 """
 
 from __future__ import annotations
@@ -16,15 +19,29 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway.errors import OpenAIError, validation_error
 from shared.sampling import InvalidParameter, SamplingParams
 
-#: Default ``max_tokens`` of /v1/completions (OpenAI's).
-DEFAULT_COMPLETION_MAX_TOKENS = 16
+#: Default ``max_tokens`` of /v1/completions: OpenAI's, which ``SamplingParams`` also uses.
+DEFAULT_COMPLETION_MAX_TOKENS = SamplingParams().max_tokens
+#: Most stop strings per request (OpenAI's limit).
+MAX_NUM_STOP_STRINGS = 4
+#: Longest stop string, characters: while streaming, the last ``len(longest stop) - 1``
+#: characters are held back (gateway/stop.py), so a long one delays the whole stream.
+MAX_STOP_STRING_CHARS = 1000
+#: Most ``stop_token_ids`` per request (every worker step checks them).
+MAX_NUM_STOP_TOKEN_IDS = 256
+#: Most chat messages per request (each is converted and templated on the CPU).
+MAX_NUM_MESSAGES = 2048
+#: ``X-Request-Id``: matched whole (``re.fullmatch``; a pattern ending in ``$`` would also
+#: match before a trailing newline). The OpenAPI schema anchors it with ``^...$``.
+REQUEST_ID_PATTERN = r"[A-Za-z0-9._:\-]{1,128}"
 #: An integer that reaches the worker as is: msgspec (the wire) and torch (seeds) take 64 bits
 #: at most, so a larger one must be a 400 here rather than an OverflowError (500) at the XADD.
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+#: Every body model: strict types, unknown fields ignored.
+_STRICT = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     include_usage: bool | None = False
 
 
@@ -33,7 +50,7 @@ class _SamplingFields(BaseModel):
 
     # JSON has no NaN or Infinity; pydantic would parse them, and the range checks of
     # ``SamplingParams.validate`` let an infinite penalty through to the sampler.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     model: str
     max_tokens: int | None = None
@@ -66,42 +83,50 @@ class _SamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def check_common(self) -> None:
-        """Refuse what inferq does not support.
+        """Refuse what inferq does not support and lists over their limits.
 
         Raises:
             OpenAIError: 400 naming the field.
         """
         if self.n not in (None, 1):
             raise OpenAIError(400, "only n=1 is supported", param="n")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stops) > MAX_NUM_STOP_STRINGS:
+            raise OpenAIError(400, f"stop takes at most {MAX_NUM_STOP_STRINGS} strings, got {len(stops)}",
+                              param="stop")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            raise OpenAIError(400, f"a stop string is {longest} characters; at most {MAX_STOP_STRING_CHARS} "
+                              "are allowed", param="stop")
+        if self.stop_token_ids is not None and len(self.stop_token_ids) > MAX_NUM_STOP_TOKEN_IDS:
+            raise OpenAIError(400, f"stop_token_ids takes at most {MAX_NUM_STOP_TOKEN_IDS} ids, got "
+                              f"{len(self.stop_token_ids)}", param="stop_token_ids")
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """Build and validate the sampling parameters with the resolved ``max_tokens``.
+        """Build and validate the sampling parameters with the resolved ``max_tokens``;
+        fields the request leaves out (or sets to null) keep ``SamplingParams``' defaults.
 
         Raises:
             OpenAIError: 400 naming the first out-of-range field.
         """
-        def pick(value: Any, default: Any) -> Any:
-            return default if value is None else value
-
+        given = {name: getattr(self, name) for name in _OPTIONAL_SAMPLING_FIELDS}
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=pick(self.temperature, 1.0),
-            top_p=pick(self.top_p, 1.0),
-            top_k=pick(self.top_k, -1),
-            min_p=pick(self.min_p, 0.0),
-            seed=self.seed,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
-            repetition_penalty=pick(self.repetition_penalty, 1.0),
-            presence_penalty=pick(self.presence_penalty, 0.0),
-            frequency_penalty=pick(self.frequency_penalty, 0.0),
+            **{name: value for name, value in given.items() if value is not None},
         )
         try:
             params.validate()
         except InvalidParameter as exc:
             raise OpenAIError(400, str(exc), param=exc.param) from exc
         return params
+
+
+#: Request fields that map one to one onto ``SamplingParams`` fields, None meaning "default".
+_OPTIONAL_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
+                             "presence_penalty", "frequency_penalty")
 
 
 class CompletionRequest(_SamplingFields):
@@ -113,7 +138,7 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
 
     def check(self) -> None:
-        """Refuse unsupported fields (400)."""
+        """Refuse unsupported fields and lists over their limits (400)."""
         self.check_common()
         if self.logprobs:
             raise OpenAIError(400, "logprobs is not supported yet", param="logprobs")
@@ -127,13 +152,13 @@ class CompletionRequest(_SamplingFields):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -167,12 +192,16 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
 
     def check(self) -> None:
-        """Refuse unsupported fields and empty conversations (400)."""
+        """Refuse unsupported fields, lists over their limits and empty or too long
+        conversations (400)."""
         self.check_common()
         if self.logprobs:
             raise OpenAIError(400, "logprobs is not supported yet", param="logprobs")
         if not self.messages:
             raise OpenAIError(400, "messages must not be empty", param="messages")
+        if len(self.messages) > MAX_NUM_MESSAGES:
+            raise OpenAIError(400, f"messages takes at most {MAX_NUM_MESSAGES} messages, got {len(self.messages)}",
+                              param="messages")
 
     @property
     def requested_max_tokens(self) -> int | None:

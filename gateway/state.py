@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class GatewayState:
-    """The app's Redis client, relay, tokenizer thread, metrics and background tasks.
+    """The app's Redis client, relay, tokenizer threads, metrics and background tasks.
 
     ``gateway_id`` (random hex, made at startup) names this gateway's reply channel.
     """
@@ -40,15 +40,11 @@ class GatewayState:
     metrics: GatewayMetrics
     tasks: BackgroundTasks
     created_unix_s: int
-    model_max_positions: int
+    #: Longest prompt + output, tokens (``shared.model_source.max_model_len``, which
+    #: every backend uses too).
+    max_model_len: int
     #: In-flight requests of this gateway, by request id (the failover monitor's view).
     generations: dict[str, Generation] = field(default_factory=dict)
-
-    @property
-    def max_model_len(self) -> int:
-        """Longest prompt + output, tokens: the setting, capped by the model's
-        ``max_position_embeddings`` exactly as the engine caps it."""
-        return min(self.model_settings.max_model_len, self.model_max_positions)
 
     @property
     def stream(self) -> str:

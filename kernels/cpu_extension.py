@@ -15,6 +15,7 @@ import functools
 import hashlib
 import logging
 import shutil
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -51,12 +52,34 @@ def load() -> ModuleType | None:
     if not cpp_extension.is_ninja_available():
         log.warning("ninja is not installed: the CPU kernels fall back to the PyTorch references")
         return None
+    name = f"inferq_cpu_kernels_{_build_tag()}"
+    build_dir = _build_dir(name)
+    built = build_dir is not None and (build_dir / f"{name}.so").exists()
+    if not built:  # a worker is silent for this long otherwise (issue 19)
+        log.info("building the C++ CPU kernels (kernels/csrc/: decode attention, SiLU-and-mul, add + RMSNorm, "
+                 "rotary) for this CPU with g++ -march=native, once: CPU steps use them instead of the slower "
+                 "PyTorch references. About a minute on 2 cores; then cached in %s", build_dir)
+    t0 = time.perf_counter()
     try:
-        return cpp_extension.load(name=f"inferq_cpu_kernels_{_build_tag()}",
-                                  sources=[str(CSRC / name) for name in SOURCES],
-                                  extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+        module = cpp_extension.load(name=name, sources=[str(CSRC / source) for source in SOURCES],
+                                    extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
     except (RuntimeError, OSError, ImportError) as exc:  # compiler errors surface as RuntimeError
         log.warning("building the CPU kernels failed (%s): using the PyTorch references", exc)
+        return None
+    if not built:
+        log.info("built the C++ CPU kernels in %.0f s", time.perf_counter() - t0)
+    return module
+
+
+def _build_dir(name: str) -> Path | None:
+    """Where ``torch.utils.cpp_extension`` builds and caches extension ``name``
+    (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions/<python>_<device>``),
+    or None when torch does not say (its helper is private)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return Path(_get_build_directory(name, verbose=False))
+    except (ImportError, TypeError, OSError):
         return None
 
 

@@ -36,15 +36,27 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rotary_rows(positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of ``cos``/``sin`` ``[max_positions, D]`` at ``positions [T]``, each as
+    ``[T, 1, D]`` in ``dtype`` (broadcast over heads)."""
+    return cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_rows: torch.Tensor,
+                 sin_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``q [T, H, D]`` and ``k [T, KVH, D]`` out of place by their rows of the
+    tables (``rotary_rows``: ``[T, 1, D]`` in their dtype); the oracle's arithmetic."""
+    return q * cos_rows + _rotate_half(q) * sin_rows, k * cos_rows + _rotate_half(k) * sin_rows
+
+
 def rotary_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch reference (out of place). ``positions [T]``; ``q [T, H, D]``,
     ``k [T, KVH, D]``; ``cos``/``sin`` ``[max_positions, D]`` float32 with both halves
     equal. Returns the rotated ``(q, k)`` in their dtype."""
     check_rotary_args(positions, q, k, cos, sin)
-    c = cos[positions].unsqueeze(1).to(q.dtype)
-    s = sin[positions].unsqueeze(1).to(q.dtype)
-    return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+    return apply_rotary(q, k, *rotary_rows(positions, cos, sin, q.dtype))
 
 
 try:

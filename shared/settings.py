@@ -3,7 +3,9 @@ point from CLI flags and ``INFERQ_*`` environment variables. Nothing deeper read
 ``os.environ``.
 
 Precedence: CLI flag > ``INFERQ_<FIELD>`` variable > the default written here. Field
-names are unique across the dataclasses, so ``INFERQ_<FIELD>`` names one setting.
+names are unique across the dataclasses, so ``INFERQ_<FIELD>`` names one setting. A value
+that is not allowed raises ``SettingsError`` (not ``assert``, which ``python -O`` strips),
+whose message names the flag, the variable, the value and what is allowed.
 """
 
 from __future__ import annotations
@@ -16,21 +18,57 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from shared.model_source import DEFAULT_MODEL_NAME
+
 T = TypeVar("T")
 
 ENV_PREFIX = "INFERQ_"
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 
 def _doc(text: str) -> dict[str, str]:
     return {"help": text}
 
 
+def flag_name(f: dataclasses.Field[Any]) -> str:
+    """The CLI flag of settings field ``f`` (``max_num_seqs`` -> ``--max-num-seqs``)."""
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def env_name(f: dataclasses.Field[Any]) -> str:
+    """The environment variable of settings field ``f`` (``INFERQ_MAX_NUM_SEQS``)."""
+    return ENV_PREFIX + f.name.upper()
+
+
+class SettingsError(ValueError):
+    """A setting's value is not allowed or does not parse. The message names the flag, the
+    environment variable, the value and what is allowed, e.g. ``--max-num-seqs
+    (INFERQ_MAX_NUM_SEQS) = 0: must be at least 1``."""
+
+    def __init__(self, f: dataclasses.Field[Any], value: Any, allowed: str) -> None:
+        super().__init__(f"{flag_name(f)} ({env_name(f)}) = {value!r}: {allowed}")
+        self.field_name = f.name
+
+
+def _require(settings: Any, name: str, ok: bool, allowed: str) -> None:
+    """Raise ``SettingsError`` for field ``name`` of ``settings`` unless ``ok``."""
+    if not ok:
+        f = next(f for f in dataclasses.fields(settings) if f.name == name)
+        raise SettingsError(f, getattr(settings, name), allowed)
+
+
+def _require_one_of(settings: Any, name: str, choices: tuple[str, ...]) -> None:
+    _require(settings, name, getattr(settings, name) in choices, "must be one of " + ", ".join(choices))
+
+
+def _require_at_least(settings: Any, name: str, low: float) -> None:
+    _require(settings, name, getattr(settings, name) >= low, f"must be at least {low}")
+
+
 @dataclass(frozen=True, slots=True)
 class ModelSettings:
     """Which weights to load and how."""
 
-    model: str = field(default=DEFAULT_MODEL, metadata=_doc(
+    model: str = field(default=DEFAULT_MODEL_NAME, metadata=_doc(
         "Model: the default name, a local Hugging Face folder, or a named config with --load-format dummy"))
     served_model_name: str = field(default="", metadata=_doc(
         "Name clients use in the `model` field (default: the model's name)"))
@@ -44,10 +82,11 @@ class ModelSettings:
     seed: int = field(default=0, metadata=_doc("Seed for dummy weights and unseeded sampling"))
 
     def __post_init__(self) -> None:
-        assert self.load_format in ("auto", "dummy"), self.load_format
-        assert self.dtype in ("auto", "float32", "bfloat16", "float16"), self.dtype
-        assert self.device in ("auto", "cpu", "cuda"), self.device
-        assert self.max_model_len >= 1
+        """Raises: SettingsError: a value that is not allowed."""
+        _require_one_of(self, "load_format", ("auto", "dummy"))
+        _require_one_of(self, "dtype", ("auto", "float32", "bfloat16", "float16"))
+        _require_one_of(self, "device", ("auto", "cpu", "cuda"))
+        _require_at_least(self, "max_model_len", 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,12 +112,15 @@ class EngineSettings:
         "Step time of the model-free `sim` backend, ms (one token per running request per step)"))
 
     def __post_init__(self) -> None:
-        assert self.block_size >= 1 and self.max_num_seqs >= 1
-        assert self.max_num_batched_tokens >= 1 and self.num_kv_blocks >= 0
-        assert 0.0 < self.gpu_memory_utilization <= 1.0
-        assert self.attention_backend in ("auto", "torch", "cpu", "triton"), self.attention_backend
-        assert self.sim_step_time_ms >= 0.0, self.sim_step_time_ms
-        assert self.cpu_threads >= 0, self.cpu_threads
+        """Raises: SettingsError: a value that is not allowed."""
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            _require_at_least(self, name, 1)
+        for name in ("num_kv_blocks", "cpu_threads"):
+            _require_at_least(self, name, 0)
+        _require(self, "gpu_memory_utilization", 0.0 < self.gpu_memory_utilization <= 1.0,
+                 "must be above 0 and at most 1")
+        _require_one_of(self, "attention_backend", ("auto", "torch", "cpu", "triton"))
+        _require_at_least(self, "sim_step_time_ms", 0.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +144,10 @@ class GatewaySettings:
     max_queue_len: int = field(default=1000, metadata=_doc("Queued requests per model above which new ones get 429"))
     request_timeout_s: float = field(default=600.0, metadata=_doc("Deadline of a request from arrival, seconds"))
     max_body_bytes: int = field(default=4 * 1024**2, metadata=_doc("Largest request body, bytes (413 above)"))
+    num_tokenizer_threads: int = field(default=0, metadata=_doc(
+        "Threads that tokenize prompts, apart from the one that detokenizes outputs (0: one per core, at most 8)"))
+    tokenize_timeout_s: float = field(default=10.0, metadata=_doc(
+        "Longest a prompt may wait for and take to tokenize (chat template included), seconds (503 above)"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,14 +160,38 @@ class WorkerSettings:
     metrics_port: int = field(default=0, metadata=_doc("Port of the worker's /metrics (0: off)"))
     drain_timeout_s: float = field(default=60.0, metadata=_doc(
         "On SIGTERM, how long to finish held requests before handing the rest back, seconds"))
+    # 60 s: 24x the longest step of the default model on 2 CPU cores (a 2,048-token
+    # prefill, 2.5 s, docs/benchmarks.md); GPU steps take milliseconds (graphs are captured
+    # before the heartbeat starts). A step over half of it logs a warning.
+    engine_stall_timeout_s: float = field(default=60.0, metadata=_doc(
+        "An engine step running longer than this marks the worker dead, so its requests fail over, "
+        "seconds (0: off; keep it above the longest prefill step)"))
+    fault_hang_after_steps: int = field(default=0, metadata=_doc(
+        "FAULT INJECTION, tests only: engine step N+1 blocks forever (0: off)"))
+
+    def __post_init__(self) -> None:
+        """Raises: SettingsError: a value that is not allowed."""
+        _require_at_least(self, "engine_stall_timeout_s", 0.0)
+        _require_at_least(self, "fault_hang_after_steps", 0)
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
 
 
 def _convert(raw: str, annotation: Any) -> Any:
-    """Parse an environment-variable string into the field's type."""
+    """Parse an environment-variable string into the field's type.
+
+    Raises:
+        ValueError: ``raw`` is not a number (int, float fields) or a switch (bool fields).
+    """
     hint = annotation
     origin = typing.get_origin(hint)
     if hint is bool:
-        return raw.strip().lower() in ("1", "true", "yes", "on")
+        word = raw.strip().lower()
+        if word not in _TRUE + _FALSE:
+            raise ValueError(f"not one of {', '.join(_TRUE)} or {', '.join(w for w in _FALSE if w)}")
+        return word in _TRUE
     if hint is int:
         return int(raw)
     if hint is float:
@@ -139,7 +209,8 @@ def build(cls: type[T], overrides: Mapping[str, Any] | None = None,
     ``INFERQ_<FIELD>`` variables of ``environ`` (default ``os.environ``), and defaults.
 
     Raises:
-        ValueError: an environment variable does not parse as the field's type.
+        SettingsError: an environment variable does not parse as the field's type, or a
+            value is not allowed.
     """
     env = os.environ if environ is None else environ
     hints = typing.get_type_hints(cls)
@@ -149,12 +220,13 @@ def build(cls: type[T], overrides: Mapping[str, Any] | None = None,
         if given is not None:
             values[f.name] = tuple(given) if isinstance(given, list) else given
             continue
-        raw = env.get(ENV_PREFIX + f.name.upper())
+        raw = env.get(env_name(f))
         if raw is not None:
             try:
                 values[f.name] = _convert(raw, hints[f.name])
             except ValueError as exc:
-                raise ValueError(f"{ENV_PREFIX}{f.name.upper()}={raw!r}: {exc}") from exc
+                hint = hints[f.name]
+                raise SettingsError(f, raw, f"must parse as {getattr(hint, '__name__', hint)} ({exc})") from exc
     return cls(**values)
 
 
@@ -167,5 +239,5 @@ def settings_table() -> str:
     for cls in ALL_SETTINGS:
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else ""
-            rows.append(f"| `{ENV_PREFIX}{f.name.upper()}` | `{default!r}` | {f.metadata.get('help', '')} |")
+            rows.append(f"| `{env_name(f)}` | `{default!r}` | {f.metadata.get('help', '')} |")
     return "\n".join(rows)

@@ -60,7 +60,7 @@ def test_compose_has_the_five_services(config: dict[str, Any]) -> None:
     assert services["worker"]["build"]["dockerfile"] == "worker/Dockerfile"
     assert any(p["target"] == 8000 and p["published"] == "8000" for p in services["gateway"]["ports"])
     assert services["gateway"]["environment"]["INFERQ_REDIS_URL"] == "redis://redis:6379/0"
-    assert "/health" in " ".join(services["gateway"]["healthcheck"]["test"])
+    assert "/ready" in " ".join(services["gateway"]["healthcheck"]["test"])  # ready: a worker serves the model
 
 
 def test_redis_persists_with_aof(config: dict[str, Any]) -> None:

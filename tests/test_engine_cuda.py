@@ -113,7 +113,8 @@ def _scripted_run(async_scheduling: bool) -> dict[str, tuple[list[int], str | No
             reasons[out.request_id] = out.finish_reason
         step += 1
         assert step < 1000
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    stats = engine.stats()
+    assert stats.num_free_blocks == stats.num_blocks
     assert (engine.num_async_steps > 0) == async_scheduling
     del llm
     gc.collect()

@@ -58,14 +58,14 @@ def test_single_requests_equal_hf(prompts, hf_outputs) -> None:
     for p, expected in zip(prompts, hf_outputs, strict=True):
         (out,) = llm.generate([p], GREEDY)
         assert out.token_ids == expected
-    assert llm.engine.block_manager.usage == 0.0
+    assert llm.engine.stats().kv_usage == 0.0
 
 
 def test_one_batch_equals_hf(prompts, hf_outputs) -> None:
     llm = LLM(max_num_seqs=16, enable_prefix_caching=False)
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == hf_outputs
-    assert llm.engine.block_manager.usage == 0.0
+    assert llm.engine.stats().kv_usage == 0.0
 
 
 def test_preemption_and_chunked_prefill_equal_hf(prompts, hf_outputs) -> None:
@@ -76,7 +76,7 @@ def test_preemption_and_chunked_prefill_equal_hf(prompts, hf_outputs) -> None:
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == hf_outputs
     assert llm.engine.scheduler.num_preemptions > 0
-    assert llm.engine.block_manager.usage == 0.0
+    assert llm.engine.stats().kv_usage == 0.0
 
 
 def test_chat_answer_names_paris(smollm_tokenizer) -> None:

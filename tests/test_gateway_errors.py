@@ -208,12 +208,4 @@ async def test_redis_down_is_503_and_recovers(harness):
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == ANSWER
 
 
-async def test_client_request_id_sent_twice_runs_once(harness) -> None:
-    body = {"model": MODEL, "prompt": "hello", "max_tokens": 8}
-    first = await harness.http.post("/v1/completions", headers={"X-Request-Id": "same-id-7"}, json=body)
-    assert first.status_code == 200
-    again = await harness.http.post("/v1/completions", headers={"X-Request-Id": "same-id-7"}, json=body)
-    assert again.status_code == 409 and again.json()["error"]["code"] == "duplicate_request"
-    assert [r.request_id for r in harness.worker.requests].count("cmpl-same-id-7") == 1
-    other = await harness.http.post("/v1/completions", headers={"X-Request-Id": "same-id-8"}, json=body)
-    assert other.status_code == 200
+# A client's request id is reserved only while its request runs: tests/test_request_ids.py.

@@ -22,7 +22,7 @@ from shared import protocol
 from shared.embedded_redis import EmbeddedRedis
 from shared.keys import CONSUMER_GROUP, HEARTBEAT_TTL_S, STREAM_FIELD, Keys
 from shared.model_source import resolve_model
-from shared.protocol import AbortMessage, GenerateRequest, TokenMessage
+from shared.protocol import AbortMessage, GenerateRequest, TokenMessage, WorkerStatus
 from shared.settings import GatewaySettings, ModelSettings, RedisSettings
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -79,8 +79,12 @@ class FakeWorker:
     async def _heartbeat(self) -> None:
         # A live worker refreshes its heartbeat; without it the gateway's failover
         # monitor would take "w1" for dead and re-enqueue its requests.
+        # A real status also makes the gateway's /ready answer 200.
         while True:
-            await self.client.set(self.keys.worker_key("w1"), b"alive", ex=HEARTBEAT_TTL_S)
+            status = WorkerStatus(worker_id="w1", model=MODEL, backend="fake", num_running=0, num_waiting=0,
+                                  kv_usage=0.0, num_free_blocks=100, block_size=16, max_num_seqs=8,
+                                  updated_unix_s=time.time(), started_unix_s=time.time(), pid=0)
+            await self.client.set(self.keys.worker_key("w1"), protocol.encode(status), ex=HEARTBEAT_TTL_S)
             await asyncio.sleep(0.5)
 
     async def stop(self) -> None:

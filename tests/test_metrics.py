@@ -22,6 +22,7 @@ from worker.metrics import exported_names as worker_names
 MODEL = "SmolLM2-135M-Instruct"
 # The same long prompt three times: the second and third find its full blocks cached.
 PREFIX = "The quick brown fox jumps over the lazy dog while the five boxing wizards jump quickly. " * 3
+NUM_KV_BLOCKS = 200  # of 16 tokens: room for the 8 short requests, and a count no default gives
 
 
 @dataclass
@@ -37,7 +38,8 @@ def stack(tmp_path_factory, smollm_source) -> Iterator[Stack]:
     logs = tmp_path_factory.mktemp("logs")
     server = EmbeddedRedis().start()
     port, metrics_port = processes.free_port(), processes.free_port()
-    worker = processes.start("worker", server.url, "--max-num-seqs", "8", "--worker-id", "w-metrics",
+    worker = processes.start("worker", server.url, "--max-num-seqs", "8", "--num-kv-blocks", str(NUM_KV_BLOCKS),
+                             "--worker-id", "w-metrics",
                              "--metrics-port", str(metrics_port), log_path=logs / "worker.log")
     gateway = processes.start("gateway", server.url, "--port", str(port), log_path=logs / "gateway.log")
     try:
@@ -134,8 +136,9 @@ def test_gateway_and_worker_metrics_match_the_requests(stack: Stack) -> None:
     wlabel = {"model_name": MODEL, "worker_id": "w-metrics"}
     assert value(wk, "inferq:num_requests_running", **wlabel) == 0
     assert value(wk, "inferq:num_requests_waiting", **wlabel) == 0
-    assert 0.0 <= value(wk, "inferq:kv_cache_usage_perc", **wlabel) <= 1.0
-    assert value(wk, "inferq:kv_cache_num_blocks", **wlabel) > 0
+    # Idle: every block is free again (cached prefix blocks count as free) out of the configured pool.
+    assert value(wk, "inferq:kv_cache_usage_perc", **wlabel) == 0.0
+    assert value(wk, "inferq:kv_cache_num_blocks", **wlabel) == NUM_KV_BLOCKS
     assert value(wk, "inferq:num_preemptions_total", **wlabel) == 0
     queries = value(wk, "inferq:prefix_cache_queries_total", **wlabel)
     hits = value(wk, "inferq:prefix_cache_hits_total", **wlabel)

@@ -7,6 +7,8 @@ import json
 
 import redis.asyncio as aioredis
 from rich.console import Console
+from rich.table import Table
+from rich.text import Text
 
 from shared import protocol
 from shared.keys import CONSUMER_GROUP, STREAM_FIELD, Keys
@@ -80,11 +82,30 @@ async def test_named_models_missing_stream_and_json_render(redis_server) -> None
     assert (absent.model, absent.length, absent.has_group) == ("absent", 0, False)
     decoded = json.loads(to_json(snap))
     assert decoded["streams"][0]["num_pending"] == 3 and decoded["namespace"] == "tq"
+    tables = render(snap)
+    streams, consumers, pending, workers = (rows(t) for t in tables)
+    assert [(r["model"], r["pending"], r["redelivered"], r["consumers"], r["dead"]) for r in streams] == [
+        ("m1", "3", "1+", "2", "1"), ("absent", "0", "0", "0", "0")]  # 1 of 3 pending scanned: "1+"
+    # Each consumer's own row: the one without a heartbeat holding an entry is dead.
+    assert {r["consumer"]: (r["model"], r["pending"], r["heartbeat"]) for r in consumers} == {
+        "w-live": ("m1", "2", "alive"), "w-dead": ("m1", "1", "dead")}
+    assert [(r["model"], r["deliveries"]) for r in pending] == [("m1", "2")]  # the oldest: claimed twice
+    by_worker = {r["worker"]: r for r in workers}
+    assert set(by_worker) == {"w-live", "w-idle", "tq:worker:w-bad"}
+    assert (by_worker["w-live"]["running"], by_worker["w-live"]["kv usage"]) == ("2", "50.0%")
+    assert (by_worker["w-idle"]["running"], by_worker["tq:worker:w-bad"]["model"]) == ("0", "?")
     console = Console(record=True, width=200)
-    for table in render(snap):
+    for table in tables:
         console.print(table)
-    text = console.export_text()
-    assert "w-dead" in text and "dead" in text and "w-live" in text and "m1" in text
+    printed = [[cell.strip() for cell in line.strip("│").split("│")] for line in console.export_text().splitlines()]
+    assert [(r[1], r[2], r[4]) for r in printed if r[1:2] in (["w-dead"], ["w-live"])] == [
+        ("w-dead", "1", "dead"), ("w-live", "2", "alive")]  # printed columns 1, 2, 4: consumer, pending, heartbeat
+
+
+def rows(table: Table) -> list[dict[str, str]]:
+    """A rich table's rows as {column header: cell text without markup}."""
+    columns = [(str(c.header), [Text.from_markup(str(cell)).plain for cell in c.cells]) for c in table.columns]
+    return [{header: cells[i] for header, cells in columns} for i in range(table.row_count)]
 
 
 def test_queues_command_prints_json(redis_server, capsys) -> None:
@@ -139,7 +160,8 @@ def test_cli_queues_with_sim_worker(redis_server, tmp_path) -> None:
         assert (stream["has_group"], stream["length"], stream["num_pending"]) == (True, 0, 0)
         assert stream["entries_read"] in (1, None)  # None before Redis 7
         (w,) = [w for w in snap["workers"] if w["status"]["worker_id"] == "sim-1"]
-        assert w["status"]["backend"] == "sim" and w["heartbeat_age_s"] < 5
+        assert (w["status"]["backend"], w["status"]["model"], w["status"]["pid"]) == (
+            "sim", "SmolLM2-135M-Instruct", worker.pid)
     finally:
         # uvicorn re-raises the SIGTERM it handled after its graceful shutdown: -15.
         codes = stop(gateway), stop(worker)

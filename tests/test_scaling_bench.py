@@ -32,13 +32,31 @@ def test_sim_scaling_writes_result(tmp_path: Path) -> None:
         assert p["concurrency"] == 2 * n and p["sent"] == 2 * p["concurrency"]
         assert p["completed"] == p["sent"] and p["failed"] == 0 and p["errors"] == []
         assert p["total_output_tokens"] == p["expected_output_tokens"] == p["sent"] * 4
-        assert p["output_throughput"] > 0 and p["ideal_output_throughput"] == pytest.approx(n * 400)
-        assert 0 < p["efficiency"] <= 1.5 and 0 < p["fraction_of_ideal"] <= 1.5
-        assert p["steady_output_throughput"] > 0 and p["steady_efficiency"] > 0
-        assert {f"worker-{i}" for i in range(n)} | {"gateway-0", "gateway-1", "redis", "client"} == set(p["cpu_s"])
-        assert all(v >= 0 for v in p["cpu_s"].values())
-        assert set(p["cpu_cores"]) == {"gateway_max", "gateways", "worker_max", "workers", "redis", "client", "all"}
-    assert points[0]["efficiency"] == pytest.approx(1.0)  # the one-worker point is its own reference
+        # Throughputs are what was received over the measured duration (no speed threshold:
+        # this host is shared; speed belongs in the benchmark's own runs).
+        duration_s = p["duration_s"]
+        assert duration_s > 0 and p["ideal_output_throughput"] == pytest.approx(n * 400)
+        assert p["output_throughput"] == pytest.approx(p["total_output_tokens"] / duration_s)
+        assert p["request_throughput"] == pytest.approx(p["completed"] / duration_s)
+        assert p["fraction_of_ideal"] == pytest.approx(p["output_throughput"] / p["ideal_output_throughput"])
+        # Efficiency: tput(N) / (N * tput(1 worker)), the reference at the same gateway count.
+        (base,) = [b for b in points if (b["num_workers"], b["num_gateways"]) == (1, p["num_gateways"])]
+        assert p["efficiency"] == pytest.approx(p["output_throughput"] / (n * base["output_throughput"]))
+        assert p["steady_output_throughput"] > 0
+        assert p["steady_efficiency"] == pytest.approx(
+            p["steady_output_throughput"] / (n * base["steady_output_throughput"]))
+        # CPU: one entry per process that ran (both gateways run at every point), cores = s / duration.
+        cpu_s = p["cpu_s"]
+        assert {f"worker-{i}" for i in range(n)} | {"gateway-0", "gateway-1", "redis", "client"} == set(cpu_s)
+        assert all(v >= 0 for v in cpu_s.values())
+        workers_s = [cpu_s[f"worker-{i}"] for i in range(n)]
+        gateways_s = [cpu_s["gateway-0"], cpu_s["gateway-1"]]
+        assert p["cpu_cores"] == pytest.approx({
+            "gateway_max": max(gateways_s) / duration_s, "gateways": sum(gateways_s) / duration_s,
+            "worker_max": max(workers_s) / duration_s, "workers": sum(workers_s) / duration_s,
+            "redis": cpu_s["redis"] / duration_s, "client": cpu_s["client"] / duration_s,
+            "all": sum(cpu_s.values()) / duration_s})
+        assert cpu_s["client"] > 0  # measured (process_time), not left at zero
 
 
 def test_steady_output_throughput_leaves_out_ramp_and_tail() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from shared.sampling import SamplingParams
 from worker.engine.block_manager import BlockManager
 from worker.engine.request import Request, RequestStatus
-from worker.engine.scheduler import Scheduler
+from worker.engine.scheduler import Scheduler, SchedulerOutput
 
 EOS = 0
 
@@ -122,3 +122,95 @@ def test_prefix_cache_hit_skips_computed_tokens() -> None:
     counts, _ = run_step(s)
     assert counts == {"b": 2}  # 8 of 10 prompt tokens came from the cache
     assert s.block_manager.num_free_blocks == s.block_manager.num_blocks
+
+
+# -- admission counting (what the worker pulls from Redis) ---------------------------------
+
+def test_num_admittable_counts_free_slots_while_blocks_cover_the_queue() -> None:
+    s = make(num_blocks=8, block_size=4, max_num_seqs=4)
+    assert s.num_admittable() == 4
+    s.add(req("a", 10))  # 3 blocks still needed
+    s.add(req("b", 10))
+    assert s.num_admittable() == 2  # 8 free blocks > 6 reserved for the waiting prompts
+    s.add(req("c", 6))  # 2 more blocks: 8 free no longer exceed 8 reserved
+    assert s.num_admittable() == 0
+
+
+def test_num_admittable_reserves_one_block_of_growth_per_running_request() -> None:
+    s = make(num_blocks=9, block_size=4, max_num_seqs=4)
+    s.add(req("a", 10))
+    s.add(req("b", 10))
+    run_step(s)  # both admitted: 6 blocks held, 3 free
+    assert len(s.running) == 2 and s.block_manager.num_free_blocks == 3
+    assert s.num_admittable() == 2  # 3 free > 2 blocks of growth
+    s.block_manager.allocate(s.running[0], 8)  # a grows by 2 blocks: 1 left, 2 reserved
+    assert s.num_admittable() == 0
+
+
+def test_num_admittable_is_zero_without_free_slots() -> None:
+    s = make(num_blocks=64, max_num_seqs=2)
+    s.add(req("a", 2))
+    run_step(s)
+    s.add(req("b", 2))
+    assert s.num_admittable() == 0
+
+
+# -- the decode step behind one in flight (async scheduling) ---------------------------------
+
+def in_flight_decode(s: Scheduler, *requests: Request) -> SchedulerOutput:
+    """Prefill ``requests`` (one sampled token each), then schedule a decode step and
+    leave it unapplied, as the engine does while its tokens are on the GPU."""
+    for r in requests:
+        s.add(r)
+    run_step(s)
+    out = s.schedule()
+    assert all(x.num_tokens == 1 for x in out.scheduled)
+    return out
+
+
+def test_next_decode_follows_in_flight_step_with_blocks_for_two_positions() -> None:
+    s = make(num_blocks=8, block_size=4)
+    out = in_flight_decode(s, req("a", 3, max_tokens=8), req("b", 3, max_tokens=8))
+    assert s.can_schedule_next_decode(out)
+    nxt = s.schedule_next_decode(out)
+    assert [(x.request.request_id, x.num_tokens) for x in nxt.scheduled] == [("a", 1), ("b", 1)]
+    for r in s.running:  # positions 3 (in flight) and 4 (next) need a second block
+        assert r.num_computed_tokens == 3 and len(r.block_table) == 2
+    s.update(out, [7, 7])
+    s.update(nxt, [8, 8])
+    for r in s.running:
+        assert r.num_computed_tokens == 5 and r.output_token_ids == [7, 7, 8]
+
+
+def test_no_next_decode_when_a_request_waits_or_was_aborted() -> None:
+    s = make(num_blocks=8, block_size=4)
+    out = in_flight_decode(s, req("a", 3, max_tokens=8), req("b", 3, max_tokens=8))
+    s.add(req("c", 3))
+    assert not s.can_schedule_next_decode(out)
+    s.abort("c")
+    assert s.can_schedule_next_decode(out)
+    s.abort("b")
+    assert not s.can_schedule_next_decode(out)
+
+
+def test_no_next_decode_when_the_token_in_flight_reaches_max_tokens() -> None:
+    s = make(num_blocks=8, block_size=4)
+    out = in_flight_decode(s, req("a", 3, max_tokens=8), req("b", 3, max_tokens=2))
+    assert not s.can_schedule_next_decode(out)  # b's second (last) token is in flight
+
+
+def test_no_next_decode_without_free_blocks() -> None:
+    s = make(num_blocks=3, block_size=4)
+    out = in_flight_decode(s, req("a", 3, max_tokens=8), req("b", 3, max_tokens=8))
+    assert s.block_manager.num_free_blocks == 1  # each needs one more block for position 4
+    assert not s.can_schedule_next_decode(out)
+
+
+def test_make_stats_reads_queues_and_blocks() -> None:
+    s = make(num_blocks=8, block_size=4, max_num_seqs=1)
+    s.add(req("a", 3))
+    s.add(req("b", 3))
+    run_step(s)
+    stats = s.make_stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_free_blocks, stats.num_blocks) == (1, 1, 7, 8)
+    assert stats.kv_usage == 1 / 8

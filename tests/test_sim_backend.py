@@ -6,11 +6,11 @@ import time
 
 import pytest
 
+from shared.model_source import ModelSource
 from shared.sampling import SamplingParams
 from shared.settings import EngineSettings, ModelSettings
-from worker.backends.base import EngineBackend
+from worker.backends.base import EngineBackend, RequestOutput, RequestRejected, create_backend
 from worker.backends.sim import SimBackend
-from worker.engine.engine import RequestOutput, RequestRejected
 
 
 def make(max_num_seqs: int = 2, step_time_ms: float = 0.0, max_model_len: int = 64, **kw: object) -> SimBackend:
@@ -65,7 +65,7 @@ def test_at_most_max_num_seqs_run_and_admittable_counts_free_slots() -> None:
 
 
 def test_stop_token_ids_eos_ignore_eos_and_min_tokens() -> None:
-    backend = make(max_num_seqs=8, eos_token_ids=[9])
+    backend = make(max_num_seqs=8, config={"eos_token_id": [9]})
     backend.add_request("stop", [1, 2, 3], SamplingParams(max_tokens=10, stop_token_ids=(2,)))
     backend.add_request("eos", [1, 9, 3], SamplingParams(max_tokens=10))
     backend.add_request("ignore", [1, 9, 3], SamplingParams(max_tokens=4, ignore_eos=True))
@@ -82,6 +82,16 @@ def test_no_eos_without_eos_ids() -> None:
     backend = make()
     backend.add_request("a", [0, 1, 2], SamplingParams(max_tokens=5))
     assert len(run_all(backend)["a"]) == 5
+
+
+def test_create_backend_keeps_an_eos_id_of_0() -> None:
+    """The config's ``eos_token_id: 0`` stops the sim built as the worker builds it."""
+    source = ModelSource("tiny", None, {"eos_token_id": 0, "max_position_embeddings": 32}, dummy=True)
+    backend = create_backend("sim", source, ModelSettings(max_model_len=64), EngineSettings())
+    assert backend.max_model_len == 32  # the config's limit caps the setting
+    backend.add_request("a", [1, 0, 2], SamplingParams(max_tokens=5))
+    outs = run_all(backend)["a"]  # type: ignore[arg-type]
+    assert [o.new_token_ids[0] for o in outs] == [1, 0] and outs[-1].finish_reason == "stop"
 
 
 def test_abort_running_and_waiting() -> None:

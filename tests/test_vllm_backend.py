@@ -14,7 +14,7 @@ import pytest
 
 from shared.sampling import SamplingParams
 from shared.settings import EngineSettings, ModelSettings
-from worker.engine.engine import RequestOutput, RequestRejected
+from worker.backends.base import RequestOutput, RequestRejected
 
 if TYPE_CHECKING:  # vllm may be missing: the module must still import for pytest to skip it
     from worker.backends.vllm import VllmBackend
@@ -33,10 +33,10 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def backend() -> Iterator[VllmBackend]:
+def backend(smollm_source) -> Iterator[VllmBackend]:
     from worker.backends.vllm import VllmBackend
 
-    b = VllmBackend(ModelSettings(max_model_len=1024),
+    b = VllmBackend(smollm_source, ModelSettings(max_model_len=1024),
                     EngineSettings(enforce_eager=True, kv_cache_bytes=128 * 1024**2, max_num_seqs=8))
     try:
         yield b

@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.model_source import resolve_model
+from shared.model_source import DEFAULT_MODEL_NAME, resolve_model
 from shared.protocol import FinishReason
 from shared.sampling import SamplingParams
-from shared.settings import DEFAULT_MODEL, EngineSettings, ModelSettings
+from shared.settings import EngineSettings, ModelSettings
 from worker.engine.engine import LLMEngine
 
 
@@ -37,7 +37,7 @@ class LLM:
         TypeError: an unknown keyword.
     """
 
-    def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
+    def __init__(self, model: str = DEFAULT_MODEL_NAME, **kwargs: Any) -> None:
         model_fields = set(ModelSettings.__dataclass_fields__)
         engine_fields = set(EngineSettings.__dataclass_fields__)
         unknown = set(kwargs) - model_fields - engine_fields

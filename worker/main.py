@@ -10,20 +10,13 @@ import signal
 import redis.asyncio as aioredis
 
 from shared.keys import Keys
-from shared.model_source import resolve_model
+from shared.model_source import resolve_model, served_model_name
 from shared.settings import EngineSettings, ModelSettings, RedisSettings, WorkerSettings
 from worker.backends.base import create_backend
 from worker.engine_thread import EngineThread
 from worker.service import Worker, default_worker_id
 
 log = logging.getLogger(__name__)
-
-
-def served_name(model: ModelSettings) -> str:
-    """The model name on the wire: ``served_model_name`` or the resolved model's name."""
-    if model.served_model_name:
-        return model.served_model_name
-    return resolve_model(model.model, model.load_format, model.model_cache_dir).name
 
 
 async def serve_worker(worker: WorkerSettings, redis_settings: RedisSettings, model: ModelSettings,
@@ -35,11 +28,19 @@ async def serve_worker(worker: WorkerSettings, redis_settings: RedisSettings, mo
     """
     if not redis_settings.redis_url:
         raise ValueError("a worker needs --redis-url (or INFERQ_REDIS_URL)")
+    # Resolved once (the first start may convert the default model): the backend and the
+    # served name both come from it.
+    source = await asyncio.to_thread(resolve_model, model.model, model.load_format, model.model_cache_dir)
     engine_thread = EngineThread()
-    backend = await engine_thread.run(create_backend, worker.backend, model, engine)
+    backend = await engine_thread.run(create_backend, worker.backend, source, model, engine)
     client = aioredis.from_url(redis_settings.redis_url, health_check_interval=10)
-    service = Worker(client, Keys(redis_settings.namespace), served_name(model),
-                     worker.worker_id or default_worker_id(), backend, worker.drain_timeout_s, engine_thread)
+    service = Worker(client, Keys(redis_settings.namespace), served_model_name(model, source),
+                     worker.worker_id or default_worker_id(), backend, worker.drain_timeout_s, engine_thread,
+                     engine_stall_timeout_s=worker.engine_stall_timeout_s)
+    if worker.fault_hang_after_steps:  # fault injection for tests (worker/faults.py); off by default
+        from worker.faults import hang_after_steps
+
+        service.step_fn = hang_after_steps(service.step_fn, worker.fault_hang_after_steps)
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, service.drain)
     main_task = asyncio.current_task()
@@ -50,7 +51,8 @@ async def serve_worker(worker: WorkerSettings, redis_settings: RedisSettings, mo
         from worker.metrics import start_metrics_server
 
         metrics_server = start_metrics_server(worker.metrics_port, service)
-    log.info("worker %s serving %s (backend %s)", service.worker_id, service.model, backend.name)
+    log.info("worker %s serving %r from stream %s (backend %s)", service.worker_id, service.model,
+             service.stream, backend.name)
     try:
         await service.run()
     finally:

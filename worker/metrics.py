@@ -18,8 +18,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:  # the engine module imports torch; the compose test reads FAMILIES without it
-    from worker.engine.engine import EngineStats
+if TYPE_CHECKING:  # the worker service imports redis; the compose test reads FAMILIES without it
+    from worker.backends.base import EngineStats
     from worker.service import Worker
 
 LABELS = ["model_name", "worker_id"]

@@ -9,8 +9,9 @@ Each turn of the loop:
 4. start publishing this step's outputs: every request's new tokens in one pipeline,
    XACK + XDEL the entries of finished requests in the same pipeline; requests whose
    gateway is gone (PUBLISH reached 0 subscribers) are aborted at the next turn.
-A heartbeat task refreshes ``{ns}:worker:{id}`` with a TTL; a control task listens for
-aborts. On SIGTERM (``drain()``) the worker stops pulling, finishes what it holds, and
+A heartbeat task refreshes ``{ns}:worker:{id}`` with a TTL, carrying the engine's
+progress (``worker/progress.py``: a step that hangs makes the worker read as dead); a
+control task listens for aborts. On SIGTERM (``drain()``) the worker stops pulling, finishes what it holds, and
 returns.
 """
 
@@ -28,10 +29,12 @@ from redis.exceptions import RedisError, ResponseError
 
 from shared import protocol
 from shared.keys import CONSUMER_GROUP, HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, STREAM_FIELD, Keys
+from shared.liveness import live_workers
 from shared.protocol import AbortMessage, ErrorMessage, GenerateRequest, TokenMessage, WorkerStatus
-from worker.backends.base import EngineBackend
-from worker.engine.engine import RequestOutput, RequestRejected
+from shared.streams import NUM_FINISH_COMMANDS, add_finish, as_text, finish_entry
+from worker.backends.base import EngineBackend, RequestOutput, RequestRejected
 from worker.engine_thread import EngineThread
+from worker.progress import StepClock
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +69,7 @@ class Worker:
 
     def __init__(self, client: aioredis.Redis, keys: Keys, model: str, worker_id: str,
                  backend: EngineBackend, drain_timeout_s: float = 60.0,
-                 engine_thread: EngineThread | None = None) -> None:
+                 engine_thread: EngineThread | None = None, engine_stall_timeout_s: float = 0.0) -> None:
         self.redis = client
         #: Where steps run; pass the thread that built the backend (one OpenMP team).
         self.engine_thread = engine_thread or EngineThread()
@@ -82,9 +85,17 @@ class Worker:
         self.drain_timeout_s = drain_timeout_s
         self._started_unix_s = time.time()
         self._next_reap_s = 0.0
-        self.num_steps = 0
+        #: Step count and timing for the heartbeat's stall rule (0 s: rule off).
+        self.steps = StepClock(engine_stall_timeout_s)
+        #: What one engine step calls (``worker/faults.py`` wraps it in tests).
+        self.step_fn = backend.step
         self.num_reclaimed = 0
         self._backlog: list[RequestOutput] = []
+
+    @property
+    def num_steps(self) -> int:
+        """Engine steps completed."""
+        return self.steps.num_steps
 
     def drain(self) -> None:
         """Stop pulling; ``run`` returns once every held request is finished, or after
@@ -142,15 +153,17 @@ class Worker:
                         if self._backlog:  # outputs a Redis error kept from being published
                             await self._publish([])
                         continue
-                    step = asyncio.ensure_future(self.engine_thread.run(self.backend.step))
+                    self.steps.started()
+                    step = asyncio.ensure_future(self.engine_thread.run(self.step_fn))
                     await self._settle(publishing)
                     publishing = None
                     try:
                         outputs = await step
                     except Exception as exc:  # noqa: BLE001 - reported to every client, then go on
+                        self.steps.finished(completed=False)
                         await self._fail_all(exc)
                         continue
-                    self.num_steps += 1
+                    self.steps.finished()
                     publishing = asyncio.create_task(self._publish(outputs))
                 except RedisError as exc:
                     log.warning("redis error in worker loop: %s; retrying", exc)
@@ -192,17 +205,20 @@ class Worker:
                 await self._admit(entry_id, fields)
 
     async def reap(self) -> int:
-        """Claim entries pending on consumers whose heartbeat is gone (as many as the
-        engine admits) and run them; drop dead consumers with nothing pending. Runs
-        between engine steps. Returns the number of entries claimed.
+        """Claim entries pending on dead consumers (as many as the engine admits) and run
+        them; drop dead consumers with nothing pending. Runs between engine steps.
+        Returns the number of entries claimed.
 
-        Only consumers without a heartbeat are reaped, never by idle time alone: a live
-        worker's entry stays idle in the PEL for as long as its generation runs.
+        Dead means no live heartbeat: the key is gone, or it reports the engine stalled
+        (``shared/liveness.py``). Never by idle time alone: a live worker's entry stays
+        idle in the PEL for as long as its generation runs.
         """
         claimed = 0
-        for consumer in await self.redis.xinfo_consumers(self.stream, CONSUMER_GROUP):
-            name = consumer["name"].decode() if isinstance(consumer["name"], bytes) else consumer["name"]
-            if name == self.worker_id or await self.redis.exists(self.keys.worker_key(name)):
+        consumers = await self.redis.xinfo_consumers(self.stream, CONSUMER_GROUP)
+        names = [as_text(c["name"]) for c in consumers]
+        live = await live_workers(self.redis, self.keys, names)
+        for consumer, name in zip(consumers, names, strict=True):
+            if name == self.worker_id or name in live:
                 continue
             if int(consumer["pending"]) == 0:
                 if int(consumer["idle"]) > DEAD_CONSUMER_IDLE_MS:
@@ -264,17 +280,10 @@ class Worker:
     async def _fail(self, message: GenerateRequest, entry_id: bytes, status: int, text: str) -> None:
         error = ErrorMessage(request_id=message.request_id, attempt=message.attempt, worker_id=self.worker_id,
                              status=status, message=text)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.publish(message.reply_channel, protocol.encode(error))
-            pipe.xack(self.stream, CONSUMER_GROUP, entry_id)
-            pipe.xdel(self.stream, entry_id)
-            await pipe.execute()
+        await finish_entry(self.redis, self.stream, entry_id, error=error, reply_channel=message.reply_channel)
 
-    async def _ack(self, entry_id: bytes) -> None:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xack(self.stream, CONSUMER_GROUP, entry_id)
-            pipe.xdel(self.stream, entry_id)
-            await pipe.execute(raise_on_error=False)  # NOGROUP after a restart: nothing to ack
+    async def _ack(self, entry_id: bytes | str) -> None:
+        await finish_entry(self.redis, self.stream, entry_id)
 
     async def _fail_all(self, exc: Exception) -> None:
         """The engine raised: abort every request it holds and tell each client (500)."""
@@ -283,11 +292,7 @@ class Worker:
             self.backend.abort(request_id)
             error = ErrorMessage(request_id=request_id, attempt=info.attempt, worker_id=self.worker_id,
                                  status=500, message=f"engine error: {type(exc).__name__}: {exc}")
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.publish(info.reply_channel, protocol.encode(error))
-                pipe.xack(self.stream, CONSUMER_GROUP, info.entry_id)
-                pipe.xdel(self.stream, info.entry_id)
-                await pipe.execute()
+            await finish_entry(self.redis, self.stream, info.entry_id, error=error, reply_channel=info.reply_channel)
             del self.inflight[request_id]
 
     async def _publish(self, new_outputs: list[RequestOutput]) -> None:
@@ -312,8 +317,7 @@ class Worker:
                 finished = out.finish_reason is not None
                 sent.append((out.request_id, finished))
                 if finished:
-                    pipe.xack(self.stream, CONSUMER_GROUP, info.entry_id)
-                    pipe.xdel(self.stream, info.entry_id)
+                    add_finish(pipe, self.stream, info.entry_id)
             # Per-command errors (XACK after a Redis restart lost the group: NOGROUP) must
             # not make the PUBLISHes go out again; a lost connection still raises here.
             results = await pipe.execute(raise_on_error=False)
@@ -322,7 +326,7 @@ class Worker:
         pos = 0
         for request_id, finished in sent:
             receivers = results[pos]
-            pos += 3 if finished else 1
+            pos += 1 + (NUM_FINISH_COMMANDS if finished else 0)
             if isinstance(receivers, Exception):
                 log.warning("publish for %s failed: %s", request_id, receivers)
                 continue
@@ -350,11 +354,15 @@ class Worker:
                             num_running=s.num_running, num_waiting=s.num_waiting, kv_usage=s.kv_usage,
                             num_free_blocks=s.num_free_blocks, block_size=self.backend.block_size,
                             max_num_seqs=self.backend.max_num_seqs, updated_unix_s=time.time(),
-                            started_unix_s=self._started_unix_s, pid=os.getpid())
+                            started_unix_s=self._started_unix_s, pid=os.getpid(),
+                            num_steps=self.steps.num_steps, last_step_unix_s=self.steps.last_step_unix_s,
+                            step_running_s=self.steps.running_s(),
+                            engine_stall_timeout_s=self.steps.stall_timeout_s)
 
     async def _heartbeat_loop(self) -> None:
         key = self.keys.worker_key(self.worker_id)
         while True:
+            self.steps.report_stall(len(self.inflight))
             try:
                 await self.redis.set(key, protocol.encode(self.status()), ex=HEARTBEAT_TTL_S)
             except RedisError as exc:

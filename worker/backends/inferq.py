@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from shared.model_source import resolve_model
+from shared.model_source import ModelSource
 from shared.settings import EngineSettings, ModelSettings
 from worker.engine.engine import LLMEngine, cpu_threads, resolve_device
 
@@ -18,11 +18,10 @@ class InferqBackend(LLMEngine):
 
     name = "inferq"
 
-    def __init__(self, model_settings: ModelSettings, engine_settings: EngineSettings) -> None:
+    def __init__(self, source: ModelSource, model_settings: ModelSettings, engine_settings: EngineSettings) -> None:
         if resolve_device(model_settings.device).type == "cpu":  # the worker process owns its threads
             torch.set_num_threads(cpu_threads(engine_settings))
             log.info("CPU engine with %d intra-op threads", torch.get_num_threads())
-        source = resolve_model(model_settings.model, model_settings.load_format, model_settings.model_cache_dir)
         super().__init__(source, model_settings, engine_settings)
         self.block_size = engine_settings.block_size
         self.max_num_seqs = engine_settings.max_num_seqs

@@ -12,7 +12,9 @@ prompt, repeated; ``i`` counts from the start of the output, also for a request
 resumed after failover, so a resumed stream continues the same echo). Stopping follows ``worker.engine.request.Request.append_token``:
 after ``min_tokens`` outputs, a token in ``stop_token_ids`` (or in ``eos_token_ids``
 unless ``ignore_eos``) stops the request with ``stop``; reaching ``max_tokens`` stops
-it with ``length``. With no ``eos_token_ids`` given no token counts as EOS.
+it with ``length``. EOS ids and ``max_model_len`` come from the model's ``config`` as for
+the real engine (``shared.model_source``); with no config no token counts as EOS and
+``max_model_len`` is the setting.
 
 KV usage is faked: each sequence slot stands for ``ceil(max_model_len / block_size)``
 blocks, so ``kv_usage = num_running / max_num_seqs``.
@@ -22,13 +24,15 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
+from shared.model_source import eos_token_ids, max_model_len
 from shared.protocol import FinishReason
 from shared.sampling import SamplingParams
 from shared.settings import EngineSettings, ModelSettings
-from worker.engine.engine import EngineStats, RequestOutput, RequestRejected, check_request
+from worker.backends.base import EngineStats, RequestOutput, RequestRejected, check_request
 
 
 @dataclass(slots=True)
@@ -49,15 +53,17 @@ class SimBackend:
     name = "sim"
 
     def __init__(self, model_settings: ModelSettings, engine_settings: EngineSettings, *,
-                 step_time_ms: float | None = None, eos_token_ids: Iterable[int] = ()) -> None:
+                 step_time_ms: float | None = None, config: Mapping[str, Any] | None = None) -> None:
+        """``config``: the model's parsed ``config.json`` (EOS ids, position limit)."""
         if step_time_ms is None:
             step_time_ms = engine_settings.sim_step_time_ms
         assert step_time_ms >= 0.0, step_time_ms
         self.block_size = engine_settings.block_size
         self.max_num_seqs = engine_settings.max_num_seqs
-        self.max_model_len = model_settings.max_model_len
+        config = config or {}
+        self.max_model_len = max_model_len(config, model_settings.max_model_len)
         self.step_time_ms = step_time_ms
-        self.eos_token_ids = frozenset(eos_token_ids)
+        self.eos_token_ids = eos_token_ids(config)
         self._blocks_per_seq = -(-self.max_model_len // self.block_size)
         self._waiting: deque[_SimRequest] = deque()
         self._running: dict[str, _SimRequest] = {}

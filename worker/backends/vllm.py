@@ -43,11 +43,11 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from shared.model_source import ModelSource, resolve_model
+from shared.model_source import ModelSource, max_model_len
 from shared.protocol import FinishReason
 from shared.sampling import SamplingParams
 from shared.settings import EngineSettings, ModelSettings
-from worker.engine.engine import EngineStats, RequestOutput, RequestRejected, check_request
+from worker.backends.base import EngineStats, RequestOutput, RequestRejected, check_request
 
 if TYPE_CHECKING:
     import vllm
@@ -109,10 +109,10 @@ def engine_args(source: ModelSource, model: ModelSettings, engine: EngineSetting
 
     if source.path is None:
         raise ValueError(f"the vllm backend needs a Hugging Face folder; {source.name!r} has none")
-    max_model_len = min(model.max_model_len, int(source.config.get("max_position_embeddings", model.max_model_len)))
     return EngineArgs(
         model=str(source.path), served_model_name=source.name, load_format="dummy" if source.dummy else "auto",
-        dtype=vllm_dtype(model.dtype, on_cpu), max_model_len=max_model_len, seed=model.seed,
+        dtype=vllm_dtype(model.dtype, on_cpu), seed=model.seed,
+        max_model_len=max_model_len(source.config, model.max_model_len),
         max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=engine.max_num_batched_tokens,
         block_size=vllm_block_size(engine.block_size, on_cpu), enable_prefix_caching=engine.enable_prefix_caching,
         enforce_eager=engine.enforce_eager, gpu_memory_utilization=engine.gpu_memory_utilization,
@@ -181,16 +181,16 @@ class VllmBackend:
 
     name = "vllm"
 
-    def __init__(self, model_settings: ModelSettings, engine_settings: EngineSettings) -> None:
+    def __init__(self, source: ModelSource, model_settings: ModelSettings, engine_settings: EngineSettings) -> None:
         from vllm.platforms import current_platform
 
-        source = resolve_model(model_settings.model, model_settings.load_format, model_settings.model_cache_dir)
         args = engine_args(source, model_settings, engine_settings, current_platform.is_cpu())
         self._counters = _Counters()
         self.engine = build_engine(args, self._counters)
         config = self.engine.vllm_config
         self.block_size = int(config.cache_config.block_size)
         self.max_num_seqs = int(config.scheduler_config.max_num_seqs)
+        # The length engine_args asked for (vLLM refuses to start rather than lower it).
         self.max_model_len = int(config.model_config.max_model_len)
         self._requests: dict[str, _Tracked] = {}
         self._num_blocks_added = 0  # prompt blocks of requests added since the last step

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from worker.engine.request import Request
@@ -41,6 +42,16 @@ def block_hash(parent_hash: int, token_ids: tuple[int, ...]) -> int:
     h.update(parent_hash.to_bytes(16, "little", signed=True))
     h.update(array("q", token_ids).tobytes())
     return int.from_bytes(h.digest(), "little", signed=True)
+
+
+def chained_hashes(token_ids: Sequence[int], block_size: int, first: int, last: int,
+                   parent_hash: int = NO_HASH) -> Iterator[int]:
+    """Hashes of the full blocks ``first .. last - 1`` of ``token_ids``, each chained on
+    the one before; ``parent_hash`` is block ``first - 1``'s (``NO_HASH`` for block 0).
+    Lazy, so a lookup that misses stops hashing there."""
+    for i in range(first, last):
+        parent_hash = block_hash(parent_hash, tuple(token_ids[i * block_size:(i + 1) * block_size]))
+        yield parent_hash
 
 
 class BlockManager:
@@ -94,15 +105,11 @@ class BlockManager:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         found: list[int] = []
-        parent = NO_HASH
-        tokens = request.token_ids
-        for i in range(max_blocks):
-            h = block_hash(parent, tuple(tokens[i * self.block_size:(i + 1) * self.block_size]))
+        for h in chained_hashes(request.token_ids, self.block_size, 0, max_blocks):
             block_id = self._cached.get(h)
             if block_id is None:
                 break
             found.append(block_id)
-            parent = h
         return found
 
     def allocate_prefix(self, request: Request, block_ids: list[int]) -> None:
@@ -150,10 +157,9 @@ class BlockManager:
             return
         hashes = self._hashes.setdefault(request.request_id, [])
         num_full = request.num_computed_tokens // self.block_size
-        tokens = request.token_ids
-        for i in range(len(hashes), num_full):
-            parent = hashes[-1] if hashes else NO_HASH
-            h = block_hash(parent, tuple(tokens[i * self.block_size:(i + 1) * self.block_size]))
+        first = len(hashes)
+        new = chained_hashes(request.token_ids, self.block_size, first, num_full, hashes[-1] if hashes else NO_HASH)
+        for i, h in enumerate(new, first):
             hashes.append(h)
             block = self.blocks[request.block_table[i]]
             if block.hash == NO_HASH and h not in self._cached:

@@ -6,79 +6,23 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 
-from shared.model_source import ModelSource
-from shared.protocol import FinishReason
+from shared.model_source import ModelSource, eos_token_ids, max_model_len
 from shared.sampling import SamplingParams
 from shared.settings import EngineSettings, ModelSettings
+from worker.backends.base import EngineStats, RequestOutput, RequestRejected, check_request
 from worker.engine.block_manager import BlockManager
-from worker.engine.model_runner import DecodeLaunch, ModelRunner
-from worker.engine.request import Request, RequestStatus
-from worker.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from worker.engine.model_runner import DecodeLaunch, ModelRunner, decode_inputs
+from worker.engine.request import Request
+from worker.engine.scheduler import Scheduler, SchedulerOutput
 from worker.models.config import ModelConfig
 from worker.models.loader import build_model
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class RequestRejected(ValueError):
-    """A request the engine cannot run (too long, duplicate id, bad parameters)."""
-
-
-def check_request(prompt_token_ids: list[int], sampling: SamplingParams, num_resumed: int,
-                  max_model_len: int) -> None:
-    """The checks every backend makes before queueing a request (same messages).
-
-    Args:
-        num_resumed: output tokens already delivered (failover continuation).
-        max_model_len: longest prompt + output, tokens.
-
-    Raises:
-        RequestRejected: nothing left to generate, empty prompt, prompt + ``max_tokens``
-            over ``max_model_len``, or invalid sampling parameters.
-    """
-    if num_resumed >= sampling.max_tokens:
-        raise RequestRejected(f"resumed with {num_resumed} output tokens of max_tokens {sampling.max_tokens}")
-    if not prompt_token_ids:
-        raise RequestRejected("empty prompt")
-    if len(prompt_token_ids) + sampling.max_tokens > max_model_len:
-        raise RequestRejected(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) "
-                              f"exceeds max_model_len {max_model_len}")
-    try:
-        sampling.validate()
-    except ValueError as exc:
-        raise RequestRejected(str(exc)) from exc
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    first_index: int
-    finish_reason: FinishReason | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """A snapshot for heartbeats and metrics."""
-
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    num_free_blocks: int
-    num_blocks: int
-    num_preemptions: int
-    prefix_cache_queries: int  # tokens looked up
-    prefix_cache_hits: int  # tokens found
 
 
 def resolve_device(name: str) -> torch.device:
@@ -139,18 +83,17 @@ class LLMEngine:
         self.device = resolve_device(model_settings.device)
         self.dtype = resolve_dtype(model_settings.dtype, self.device)
         self.model_config = ModelConfig.from_hf(source.config)
-        self.max_model_len = min(model_settings.max_model_len, self.model_config.max_position_embeddings)
+        self.max_model_len = max_model_len(source.config, model_settings.max_model_len)
         t0 = time.perf_counter()
         model = build_model(self.model_config, source.path, source.dummy, self.dtype, self.device,
                             self.max_model_len, model_settings.seed)
         num_blocks = num_kv_blocks(self.model_config, self.engine_settings, self.dtype, self.device)
-        self.runner = ModelRunner(model, self.engine_settings, num_blocks, self.dtype, self.device,
-                                  model_settings.seed)
-        self.block_manager = BlockManager(num_blocks, self.engine_settings.block_size,
-                                          self.engine_settings.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, self.engine_settings.max_num_seqs,
-                                   self.engine_settings.max_num_batched_tokens)
-        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self.runner = ModelRunner(model, self.engine_settings, num_blocks, self.max_model_len, self.dtype,
+                                  self.device, model_settings.seed)
+        self.scheduler = Scheduler(BlockManager(num_blocks, self.engine_settings.block_size,
+                                                self.engine_settings.enable_prefix_caching),
+                                   self.engine_settings.max_num_seqs, self.engine_settings.max_num_batched_tokens)
+        self.eos_token_ids = eos_token_ids(source.config)
         # The decode step enqueued on the GPU and not yet applied (async scheduling).
         self._inflight: tuple[SchedulerOutput, DecodeLaunch] | None = None
         self.num_async_steps = 0  # decode steps enqueued behind one still in flight
@@ -190,15 +133,8 @@ class LLMEngine:
         return self.scheduler.num_unfinished > 0 or self._inflight is not None
 
     def num_admittable(self) -> int:
-        """How many new requests the worker may pull now: free sequence slots, as long
-        as the free KV blocks cover what the queued requests still need plus one block
-        of growth per running request (0 otherwise). Pulling no more than this keeps
-        unstarted work in Redis, where another worker can take it."""
-        sched, bm = self.scheduler, self.block_manager
-        slots = sched.max_num_seqs - len(sched.running) - len(sched.waiting)
-        bs = bm.block_size
-        reserved = sum(-(-(r.num_tokens - r.num_computed_tokens) // bs) for r in sched.waiting) + len(sched.running)
-        return max(0, slots) if bm.num_free_blocks > reserved else 0
+        """How many new requests the worker may pull now (``Scheduler.num_admittable``)."""
+        return self.scheduler.num_admittable()
 
     # -- the loop ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -218,9 +154,7 @@ class LLMEngine:
             return []
         if self._async_decode_ok(out):
             requests = [item.request for item in out.scheduled]
-            positions = [r.num_computed_tokens for r in requests]
-            self._inflight = (out, self.runner.launch_decode(requests, positions,
-                                                             [r.token_ids[p] for r, p in zip(requests, positions)]))
+            self._inflight = (out, self.runner.launch_decode(requests, *decode_inputs(requests)))
             return self._finish_inflight()
         return self._apply(out, self.runner.execute(out.scheduled))
 
@@ -248,29 +182,17 @@ class LLMEngine:
 
     def _launch_next(self, out: SchedulerOutput, launch: DecodeLaunch
                      ) -> tuple[SchedulerOutput, DecodeLaunch] | None:
-        """The step after ``out``, for the same requests, each one token further, or
-        None when that is not what the scheduler would run next: a request waits to be
-        admitted, one was aborted or will reach ``max_tokens`` with the token in
-        flight, or the KV cache has no block for the next position."""
-        sched, bm = self.scheduler, self.block_manager
-        requests = [item.request for item in out.scheduled]
-        if sched.waiting or len(requests) != len(sched.running):
+        """The step after ``out``, for the same requests, each one token further, with
+        ``out``'s sampled ids (still on the device) as input; None when the scheduler
+        would run something else next (``Scheduler.can_schedule_next_decode``)."""
+        if not self.scheduler.can_schedule_next_decode(out):
             return None
-        for r in requests:
-            if r.status != RequestStatus.RUNNING or r.num_output_tokens + 1 >= r.sampling.max_tokens \
-                    or r.num_tokens + 1 >= self.max_model_len:
-                return None
-        if sum(bm.blocks_needed(r, 2) for r in requests) > bm.num_free_blocks:
-            return None
-        for r in requests:  # room for the in-flight token's position and the next one
-            bm.allocate(r, 2)
+        nxt = self.scheduler.schedule_next_decode(out)
+        requests = [item.request for item in nxt.scheduled]
+        # One position past the token in flight, which the host has not applied yet.
         positions = [r.num_computed_tokens + 1 for r in requests]
-        nxt = SchedulerOutput(scheduled=[ScheduledRequest(r, 1) for r in requests])
         self.num_async_steps += 1
         return nxt, self.runner.launch_decode(requests, positions, launch.sampled)
 
     def stats(self) -> EngineStats:
-        bm = self.block_manager
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage,
-                           bm.num_free_blocks, bm.num_blocks, self.scheduler.num_preemptions,
-                           bm.num_prefix_queries, bm.num_prefix_hits)
+        return self.scheduler.make_stats()

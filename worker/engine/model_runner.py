@@ -34,6 +34,19 @@ from worker.models.llama import KVCache, LlamaForCausalLM
 log = logging.getLogger(__name__)
 
 
+def slot(block_table: Sequence[int], position: int, block_size: int) -> int:
+    """The KV-cache slot of the token at ``position``: its block's id times
+    ``block_size`` plus its offset in the block (``slot_mapping``'s entries)."""
+    return block_table[position // block_size] * block_size + position % block_size
+
+
+def decode_inputs(requests: Sequence[Request]) -> tuple[list[int], list[int]]:
+    """``(positions, input_ids)`` of a decode step whose inputs are on the host: each
+    request's first token without KV (``num_computed_tokens``)."""
+    positions = [r.num_computed_tokens for r in requests]
+    return positions, [r.token_ids[p] for r, p in zip(requests, positions)]
+
+
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> list[KVCache]:
     """Per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
@@ -62,8 +75,10 @@ class DecodeLaunch:
 class ModelRunner:
     """Owns the model, the KV cache tensors, the decode CUDA graphs and the sampler."""
 
-    def __init__(self, model: LlamaForCausalLM, settings: EngineSettings, num_blocks: int,
+    def __init__(self, model: LlamaForCausalLM, settings: EngineSettings, num_blocks: int, max_model_len: int,
                  dtype: torch.dtype, device: torch.device, seed: int = 0) -> None:
+        """``max_model_len``: the longest sequence, tokens (``shared.model_source.max_model_len``;
+        the model's rotary table covers it), which sizes the decode graphs' block tables."""
         self.model = model
         self.cfg = model.config
         self.device = device
@@ -73,7 +88,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(self.cfg, num_blocks, self.block_size, dtype, device)
         self.backend = select_backend(settings.attention_backend, device)
         self.sampler = Sampler(device, seed)
-        self.max_model_len: int = model.rotary.cos.shape[0]  # type: ignore[index,assignment]
+        self.max_model_len = max_model_len
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda" and not settings.enforce_eager and self.backend.name == "triton":
             max_blocks = -(-self.max_model_len // self.block_size)
@@ -103,8 +118,7 @@ class ModelRunner:
             end = start + item.num_tokens
             input_ids.extend(req.token_ids[start:end])
             positions.extend(range(start, end))
-            table = req.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            slots.extend(slot(req.block_table, p, bs) for p in range(start, end))
             q_lens.append(item.num_tokens)
             s_lens.append(end)
             if item.samples:
@@ -131,20 +145,36 @@ class ModelRunner:
         )
         return d64[:num_tokens], d64[num_tokens:2 * num_tokens], meta, d64[3 * num_tokens:]
 
-    def _graph_logits(self, batch: Sequence[ScheduledRequest], graphs: DecodeGraphs) -> torch.Tensor:
-        """Logits ``[n, vocab]`` of a decode step through the captured graphs."""
+    def _decode_logits(self, requests: Sequence[Request], positions: Sequence[int],
+                       input_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """Logits ``[n, vocab]`` of a decode step (one token per request) through the
+        captured graphs, enqueued without waiting for the GPU.
+
+        Args:
+            requests: the sequences, each with a block table that already holds
+                ``positions[i]``.
+            positions: the position of each request's input token (tokens).
+            input_ids: the input tokens, on the host, or ``[n]`` int64 on the device (the
+                sampled ids of the step still in flight: async scheduling).
+        """
+        graphs = self.graphs
+        assert graphs is not None and len(requests) <= graphs.max_batch_size
         bs = self.block_size
-        ids, pos, slots, tables, lens = [], [], [], [], []
-        for item in batch:
-            req = item.request
-            p = req.num_computed_tokens
-            ids.append(req.token_ids[p])
-            pos.append(p)
-            slots.append(req.block_table[p // bs] * bs + p % bs)
-            tables.append(req.block_table)
-            lens.append(p + 1)
-        graphs.inputs.fill(ids, pos, slots, tables, lens)
-        return graphs.run(len(batch), max(lens))
+        on_device = isinstance(input_ids, torch.Tensor)
+        host_ids = [0] * len(requests) if on_device else list(input_ids)  # type: ignore[arg-type]
+        slots = [slot(r.block_table, p, bs) for r, p in zip(requests, positions)]
+        lens = [p + 1 for p in positions]
+        graphs.inputs.fill(host_ids, list(positions), slots, [r.block_table for r in requests], lens)
+        graphs.inputs.upload()
+        if on_device:  # stream-ordered after the upload and the step that sampled them
+            graphs.inputs.dev64[:len(requests)].copy_(input_ids)  # type: ignore[arg-type]
+        return graphs.run(len(requests), max(lens), upload=False)
+
+    def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """``Sampler.sample`` of one row of ``logits`` per request: ``[n]`` int64 ids on
+        the device, not synchronised."""
+        return self.sampler.sample(logits, [r.request_id for r in requests], [r.sampling for r in requests],
+                                   [r.token_ids for r in requests], [r.num_prompt_tokens for r in requests])
 
     def can_launch_decode(self, n: int) -> bool:
         """True when a decode step of ``n`` sequences can run as a graph replay
@@ -155,43 +185,21 @@ class ModelRunner:
     def launch_decode(self, requests: Sequence[Request], positions: Sequence[int],
                       input_ids: Sequence[int] | torch.Tensor) -> DecodeLaunch:
         """Enqueue a decode step (one token per request) through the CUDA graphs and its
-        sampling, without waiting for the GPU.
-
-        Args:
-            requests: the sequences, each with a block table that already holds
-                ``positions[i]``.
-            positions: the position of each request's input token (tokens).
-            input_ids: the input tokens, on the host, or ``[n]`` int64 on the device (the
-                sampled ids of the step still in flight: async scheduling).
+        sampling, without waiting for the GPU. Arguments as ``_decode_logits``.
 
         Returns:
             The launch; ``DecodeLaunch.token_ids()`` waits for and returns the sampled ids.
         """
-        graphs = self.graphs
-        assert graphs is not None and len(requests) <= graphs.max_batch_size
-        bs = self.block_size
-        on_device = isinstance(input_ids, torch.Tensor)
-        host_ids = [0] * len(requests) if on_device else list(input_ids)  # type: ignore[arg-type]
-        slots = [r.block_table[p // bs] * bs + p % bs for r, p in zip(requests, positions)]
-        lens = [p + 1 for p in positions]
-        graphs.inputs.fill(host_ids, list(positions), slots, [r.block_table for r in requests], lens)
-        graphs.inputs.upload()
-        if on_device:  # stream-ordered after the upload and the step that sampled them
-            graphs.inputs.dev64[:len(requests)].copy_(input_ids)  # type: ignore[arg-type]
-        logits = graphs.run(len(requests), max(lens), upload=False)
-        sampled = self.sampler.sample(logits, [r.request_id for r in requests], [r.sampling for r in requests],
-                                      [r.token_ids for r in requests], [r.num_prompt_tokens for r in requests])
-        return DecodeLaunch(sampled)
+        return DecodeLaunch(self._sample(self._decode_logits(requests, positions, input_ids), requests))
 
     @torch.inference_mode()
     def execute(self, batch: Sequence[ScheduledRequest]) -> list[int | None]:
         """Run one step. Returns, per scheduled request, its sampled token or ``None``
         (a partial prefill chunk samples nothing)."""
         sampled_items = [item for item in batch if item.samples]
-        graphs = self.graphs
-        if graphs is not None and len(batch) <= graphs.max_batch_size and \
-                all(item.num_tokens == 1 and item.samples for item in batch):
-            logits: torch.Tensor | None = self._graph_logits(batch, graphs)
+        if self.can_launch_decode(len(batch)) and all(item.num_tokens == 1 and item.samples for item in batch):
+            requests = [item.request for item in batch]
+            logits: torch.Tensor | None = self._decode_logits(requests, *decode_inputs(requests))
         else:
             input_ids, positions, meta, logits_indices = self.prepare(batch)
             hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
@@ -201,9 +209,7 @@ class ModelRunner:
                     hidden = hidden.index_select(0, logits_indices)
                 logits = self.model.compute_logits(hidden)
         tokens: list[int] = []
-        if logits is not None:
-            reqs = [item.request for item in sampled_items]
-            tokens = self.sampler(logits, [r.request_id for r in reqs], [r.sampling for r in reqs],
-                                  [r.token_ids for r in reqs], [r.num_prompt_tokens for r in reqs])
+        if logits is not None:  # the step's one synchronisation: the ids' copy to the host
+            tokens = self._sample(logits, [item.request for item in sampled_items]).tolist()
         it = iter(tokens)
         return [next(it) if item.samples else None for item in batch]

@@ -84,9 +84,9 @@ class Request:
         self.token_ids.append(token_id)
         params = self.sampling
         num_out = self.num_output_tokens
-        if num_out >= params.min_tokens:
-            if (not params.ignore_eos and token_id in self.eos_token_ids) or token_id in params.stop_token_ids:
-                self.status = RequestStatus.FINISHED_STOPPED
-                return
+        if num_out >= params.min_tokens and (
+                (not params.ignore_eos and token_id in self.eos_token_ids) or token_id in params.stop_token_ids):
+            self.status = RequestStatus.FINISHED_STOPPED
+            return
         if num_out >= params.max_tokens:
             self.status = RequestStatus.FINISHED_LENGTH

@@ -8,6 +8,10 @@ the KV cache cannot hold a running request's next tokens, the most recently admi
 running request is preempted: its blocks are freed and it goes back to the head of the
 waiting queue, to be recomputed later (preemption by recompute, vLLM's default).
 
+The scheduler owns the block manager: the engine asks it, not the block manager, how
+many requests to admit (``num_admittable``) and whether a decode step may follow one
+still in flight (``can_schedule_next_decode`` / ``schedule_next_decode``).
+
 The scheduler imports no torch and no redis: tests drive it with hand-made outputs.
 """
 
@@ -16,6 +20,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from worker.backends.base import EngineStats
 from worker.engine.block_manager import BlockManager
 from worker.engine.request import Request, RequestStatus
 
@@ -100,6 +105,17 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.requests)
 
+    def num_admittable(self) -> int:
+        """How many new requests the worker may pull now: free sequence slots
+        (``max_num_seqs`` minus running and waiting requests), as long as the free KV
+        blocks exceed what the waiting requests still need plus one block of growth per
+        running request (0 otherwise). Pulling no more than this keeps unstarted work in
+        Redis, where another worker can take it."""
+        bm = self.block_manager
+        slots = self.max_num_seqs - len(self.running) - len(self.waiting)
+        reserved = sum(bm.blocks_needed(r, r.num_tokens - r.num_computed_tokens) for r in self.waiting)
+        return max(0, slots) if bm.num_free_blocks > reserved + len(self.running) else 0
+
     # -- one step -----------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts, allocating their blocks."""
@@ -177,6 +193,45 @@ class Scheduler:
                 self._finish(request)
                 finished.append(request)
         return results, finished
+
+    # -- async scheduling: a decode step behind one still in flight -----------------
+    def can_schedule_next_decode(self, out: SchedulerOutput) -> bool:
+        """True when the step after ``out``, whose sampled tokens are not applied yet,
+        is one more decode token for the same requests: nothing waits to be admitted,
+        none of them finished, was aborted or will reach ``max_tokens`` with the token
+        in flight, and the KV cache has blocks for two more positions each (the
+        in-flight token's and the next one's). ``max_tokens`` also keeps them within
+        ``max_model_len``: ``check_request`` admits no prompt + ``max_tokens`` above it."""
+        requests = [item.request for item in out.scheduled]
+        if self.waiting or len(requests) != len(self.running):
+            return False
+        if any(r.status != RequestStatus.RUNNING or r.num_output_tokens + 1 >= r.sampling.max_tokens
+               for r in requests):
+            return False
+        bm = self.block_manager
+        return sum(bm.blocks_needed(r, 2) for r in requests) <= bm.num_free_blocks
+
+    def schedule_next_decode(self, out: SchedulerOutput) -> SchedulerOutput:
+        """The step after ``out`` (check ``can_schedule_next_decode`` first): one token
+        for each of ``out``'s requests, with the blocks for the in-flight token's position
+        and the next one allocated. Its tokens sit at ``num_computed_tokens + 1``, as
+        ``out``'s are not applied yet; ``update`` applies both steps in order.
+
+        Raises:
+            RuntimeError: not enough free blocks.
+        """
+        requests = [item.request for item in out.scheduled]
+        for r in requests:
+            self.block_manager.allocate(r, 2)
+        return SchedulerOutput(scheduled=[ScheduledRequest(r, 1) for r in requests])
+
+    def make_stats(self) -> EngineStats:
+        """Queue lengths and block-manager counters, for heartbeats and metrics."""
+        bm = self.block_manager
+        return EngineStats(num_running=len(self.running), num_waiting=len(self.waiting), kv_usage=bm.usage,
+                           num_free_blocks=bm.num_free_blocks, num_blocks=bm.num_blocks,
+                           num_preemptions=self.num_preemptions, prefix_cache_queries=bm.num_prefix_queries,
+                           prefix_cache_hits=bm.num_prefix_hits)
 
     # -- internals ----------------------------------------------------------------
     def _preempt(self, request: Request) -> None:

@@ -130,7 +130,7 @@ AttentionBackend = TorchAttentionBackend | CpuAttentionBackend | TritonAttention
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:
     """``auto`` picks Triton on CUDA when it imports, the CPU kernel on CPU when it builds
-    (a C++ compiler and ninja; the first build takes about 40 s), else the PyTorch
+    (a C++ compiler and ninja; the first build takes about a minute), else the PyTorch
     reference.
 
     Raises:

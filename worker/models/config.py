@@ -11,7 +11,9 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Shapes and constants of one Llama-family model (Llama 2/3, Mistral, Qwen2/2.5/3,
-    SmolLM2). ``rope_scaling`` is the HF dict (``rope_type`` ``llama3`` is applied)."""
+    SmolLM2). ``rope_scaling`` is the HF dict (``rope_type`` ``llama3`` is applied).
+    The position limit and EOS ids are not architecture: ``shared.model_source``'s
+    ``max_model_len`` and ``eos_token_ids`` read them for every backend and the gateway."""
 
     hidden_size: int
     intermediate_size: int
@@ -22,12 +24,10 @@ class ModelConfig:
     vocab_size: int
     rms_norm_eps: float
     rope_theta: float
-    max_position_embeddings: int
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False
     rope_scaling: tuple[tuple[str, Any], ...] = ()
-    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         assert self.num_heads % self.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
@@ -47,8 +47,6 @@ class ModelConfig:
         if not scaling and rope.get("rope_type", "default") not in ("default", None):
             scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
         theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         return cls(
@@ -61,12 +59,10 @@ class ModelConfig:
             vocab_size=int(cfg["vocab_size"]),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             qk_norm=model_type == "qwen3",
             rope_scaling=tuple(sorted(scaling.items())) if scaling.get("rope_type", scaling.get("type")) == "llama3" else (),
-            eos_token_ids=eos_ids,
         )
 
     @property

@@ -16,10 +16,17 @@ about 20% faster there. ``choose_max_rows`` therefore times one prefill-sized pr
 ways when a model is packed (``LlamaForCausalLM.prepack_for_cpu``) and keeps MKL for big
 steps only where MKL wins.
 Measured with ``python -m bench.cpu_engine_bench`` (figures in ``docs/benchmarks.md``).
+
+Not every CPU can run the packed path in every dtype: oneDNN's bfloat16 reorder needs
+AVX-512 (bw, vl, dq) or AVX-NE-CONVERT, so on an AVX2-only CPU (many AMD EPYC hosts) it
+raises. ``packed_linear_error`` probes each dtype once per process (pack a small weight,
+run one product) and ``packable_layers`` keeps only the layers whose dtype passed; the
+others stay on ``F.linear``.
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import sys
 import time
@@ -56,6 +63,27 @@ def onednn_linear_available() -> bool:
             and hasattr(ops, "_linear_pointwise"))
 
 
+@functools.cache
+def packed_linear_error(dtype: torch.dtype) -> str | None:
+    """Why the packed oneDNN path cannot run in ``dtype`` here (this PyTorch build and CPU),
+    or ``None`` where it works. Probed once per dtype and process: packs an ``[8, 16]``
+    weight and checks one product against ``F.linear``. Never raises."""
+    if dtype not in _PACKED_DTYPES:
+        return f"oneDNN prepacking is used for float32 and bfloat16 only, not {dtype}"
+    if not onednn_linear_available():
+        return "this PyTorch build lacks oneDNN's prepacked-linear operators"
+    weight = torch.arange(8 * 16, dtype=torch.float32).remainder(7).sub(3).view(8, 16).to(dtype)
+    x = torch.ones(2, 16, dtype=dtype)
+    try:
+        out = packed_linear(x, pack_weight(weight).tensor)
+    except RuntimeError as exc:  # e.g. "bf16 path needs the cpu support avx_ne_convert or avx512bw, ..."
+        lines = str(exc).strip().splitlines()
+        return lines[0][:300] if lines else type(exc).__name__
+    if not torch.equal(out, F.linear(x, weight)):  # small integers: exact in both dtypes
+        return "the probe product differs from F.linear"
+    return None
+
+
 def pack_weight(weight: torch.Tensor, max_rows: int = PACKED_MAX_ROWS) -> PackedWeight:
     """oneDNN-blocked copy of ``weight [out, in]`` (float32 or bfloat16, CPU)."""
     return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None), max_rows)
@@ -76,6 +104,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def _median_ms(fn: Callable[[], object], repeat: int = 3) -> float:
+    """Median wall time of ``fn()`` over ``repeat`` calls after one warm-up, ms."""
     fn()
     times = []
     for _ in range(repeat):
@@ -85,15 +114,22 @@ def _median_ms(fn: Callable[[], object], repeat: int = 3) -> float:
     return statistics.median(times) * 1e3
 
 
-def choose_max_rows(weight: torch.Tensor, rows: int = CALIBRATION_ROWS) -> int:
-    """The row limit for packed weights on this CPU: ``UNLIMITED_ROWS`` when a ``rows``-row
-    product with ``weight [out, in]`` is faster through the packed copy than through MKL
-    (median of 3 after a warm-up, on the calling thread), else ``PACKED_MAX_ROWS``.
-    Costs 8 such products (about 0.2 s for SmolLM2's MLP weight on 2 cores)."""
+def time_products_ms(weight: torch.Tensor, rows: int) -> tuple[float, float]:
+    """``(F.linear ms, packed ms)``: median wall times of a ``rows``-row product with
+    ``weight [out, in]`` through MKL and through its packed copy (3 runs after a warm-up
+    each, on the calling thread)."""
     packed = pack_weight(weight).tensor
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-    mkl_ms = _median_ms(lambda: F.linear(x, weight))
-    onednn_ms = _median_ms(lambda: packed_linear(x, packed))
+    return _median_ms(lambda: F.linear(x, weight)), _median_ms(lambda: packed_linear(x, packed))
+
+
+def choose_max_rows(weight: torch.Tensor, rows: int = CALIBRATION_ROWS,
+                    timer: Callable[[torch.Tensor, int], tuple[float, float]] | None = None) -> int:
+    """The row limit for packed weights on this CPU: ``UNLIMITED_ROWS`` when a ``rows``-row
+    product with ``weight [out, in]`` is faster through the packed copy than through MKL,
+    else ``PACKED_MAX_ROWS``. ``timer`` (default ``time_products_ms``) gives the two times.
+    Costs 8 such products (about 0.2 s for SmolLM2's MLP weight on 2 cores)."""
+    mkl_ms, onednn_ms = (timer or time_products_ms)(weight, rows)
     return UNLIMITED_ROWS if onednn_ms < mkl_ms else PACKED_MAX_ROWS
 
 
@@ -111,8 +147,7 @@ class Linear(nn.Linear):
 
 
 def packable_layers(model: nn.Module) -> list[Linear]:
-    """The ``Linear`` layers of ``model`` on CPU in float32 or bfloat16 (none without oneDNN)."""
-    if not onednn_linear_available():
-        return []
+    """The ``Linear`` layers of ``model`` on CPU in a dtype whose packed path works here
+    (``packed_linear_error`` is ``None``): float32 or bfloat16, none without oneDNN."""
     return [m for m in model.modules() if isinstance(m, Linear)
-            and m.weight.device.type == "cpu" and m.weight.dtype in _PACKED_DTYPES]
+            and m.weight.device.type == "cpu" and packed_linear_error(m.weight.dtype) is None]

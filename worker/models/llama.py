@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.fused_add_rms_norm import fused_add_rms_norm
+from kernels.rotary import apply_rotary, rotary_rows
 from kernels.rotary import rotary as rotary_fused
 from kernels.silu_and_mul import silu_and_mul
 from worker.models.attention import AttentionBackend, AttentionMetadata
@@ -91,8 +92,7 @@ class Rotary(nn.Module):
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         """``(cos, sin)``, each ``[T, 1, D]`` in ``dtype``, of token positions ``[T]``:
         looked up once per step and shared by every layer."""
-        return (self.cos[positions].unsqueeze(1).to(dtype),  # type: ignore[index]
-                self.sin[positions].unsqueeze(1).to(dtype))  # type: ignore[index]
+        return rotary_rows(positions, self.cos, self.sin, dtype)  # type: ignore[arg-type]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, fused: bool = False,
                 tables: RopeTables | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,13 +100,7 @@ class Rotary(nn.Module):
         (``tables``: this step's ``cos_sin(positions)``, when the caller has it)."""
         if fused:
             return rotary_fused(positions, q, k, self.cos, self.sin)  # type: ignore[arg-type]
-        cos, sin = tables if tables is not None else self.cos_sin(positions, q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+        return apply_rotary(q, k, *(tables if tables is not None else self.cos_sin(positions, q.dtype)))
 
 
 class Attention(nn.Module):
@@ -211,7 +205,8 @@ class LlamaForCausalLM(nn.Module):
     def prepack_for_cpu(self, max_rows: int | None = None) -> int:
         """Prepack the linear weights (and tied LM head) for oneDNN on CPU, used for steps
         of up to ``max_rows`` rows (default: chosen by timing, ``linear.choose_max_rows``);
-        see ``worker/models/linear.py``. Returns how many weights were packed."""
+        see ``worker/models/linear.py``. Returns how many weights were packed: 0 where the
+        packed path does not work in the model's dtype on this CPU (``packed_linear_error``)."""
         layers = packable_layers(self)
         if not layers:
             return 0

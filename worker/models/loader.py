@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from worker.models.config import ModelConfig
-from worker.models.linear import UNLIMITED_ROWS
+from worker.models.linear import UNLIMITED_ROWS, packed_linear_error
 from worker.models.llama import LlamaForCausalLM
 
 # HF name (after the "model." prefix is dropped) -> (our parameter, shard index) where
@@ -52,7 +52,7 @@ def load_hf_weights(model: LlamaForCausalLM, folder: Path) -> None:
         raise WeightLoadError(f"no *.safetensors in {folder}")
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open has keys() but is not iterable)
                 if "rotary_emb" in name:
                     continue
                 target, bounds = _map_name(cfg, name.removeprefix("model."))
@@ -104,6 +104,21 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
             param.data.normal_(0.0, 0.02, generator=gen)
 
 
+def _prepack_and_log(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
+    """Prepack the CPU linears where oneDNN's packed path works in ``dtype`` and log, in one
+    line, which path the linears take and why (``worker/models/linear.py``)."""
+    n = model.prepack_for_cpu()
+    if n:
+        why = ("oneDNN beat MKL on a prefill-sized product here" if model.packed_max_rows == UNLIMITED_ROWS
+               else "MKL won the prefill-sized product here, so larger steps use F.linear")
+        rows = "all" if model.packed_max_rows == UNLIMITED_ROWS else f"up to {model.packed_max_rows}"
+        log.info("CPU linears in %s: %d weights prepacked for oneDNN, used for steps of %s rows (%s)",
+                 dtype, n, rows, why)
+    else:
+        log.info("CPU linears in %s: F.linear, since the prepacked oneDNN path does not work here: %s",
+                 dtype, packed_linear_error(dtype))
+
+
 def build_model(cfg: ModelConfig, folder: Path | None, dummy: bool, dtype: torch.dtype,
                 device: torch.device, max_positions: int, seed: int = 0) -> LlamaForCausalLM:
     """Create the model on ``device`` in ``dtype`` and load its weights.
@@ -122,8 +137,5 @@ def build_model(cfg: ModelConfig, folder: Path | None, dummy: bool, dtype: torch
     else:
         load_hf_weights(model, folder)
     if device.type == "cpu":
-        n = model.prepack_for_cpu()
-        if n:
-            rows = "all" if model.packed_max_rows == UNLIMITED_ROWS else f"up to {model.packed_max_rows}"
-            log.info("prepacked %d CPU weights for oneDNN, used for steps of %s rows", n, rows)
+        _prepack_and_log(model, dtype)
     return model.eval()

@@ -1,0 +1,74 @@
+"""Engine progress as the worker's heartbeat reports it: steps completed, when the last
+one ended, and how long the step in flight has been running (docs/operations.md,
+"Liveness and readiness").
+
+The worker's event loop calls ``started`` and ``finished`` around every step it runs on
+the engine thread. A hung step never calls ``finished``, but the event loop keeps
+beating, and ``running_s`` grows in each heartbeat until ``WorkerStatus.engine_stalled``
+holds and gateways and reapers take the worker for dead (``shared/liveness.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+
+class StepClock:
+    """When engine steps start and end. Times from ``clock`` (default
+    ``time.monotonic``), seconds; ``stall_timeout_s`` 0 turns the stall rule off."""
+
+    def __init__(self, stall_timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if stall_timeout_s < 0:
+            raise ValueError(f"stall_timeout_s must be >= 0, got {stall_timeout_s}")
+        self.stall_timeout_s = stall_timeout_s
+        self._clock = clock
+        self.num_steps = 0
+        #: Wall-clock end of the last completed step (0: none yet), for operators.
+        self.last_step_unix_s = 0.0
+        self._started_s: float | None = None
+        self._stall_reported = False
+
+    def started(self) -> None:
+        """A step was handed to the engine thread."""
+        self._started_s = self._clock()
+
+    def finished(self, completed: bool = True) -> None:
+        """The step handed over last returned (``completed``) or raised. Warns when it
+        took more than half the stall timeout, or when it ended after being reported
+        stalled (its requests have been failed over meanwhile)."""
+        took_s = self.running_s()
+        self._started_s = None
+        if completed:
+            self.num_steps += 1
+            self.last_step_unix_s = time.time()
+        if self._stall_reported:
+            log.warning("the engine step ended after %.1f s; the worker counted as dead meanwhile and gateways "
+                        "moved its requests (messages of their old attempts are ignored)", took_s)
+            self._stall_reported = False
+        elif self.stall_timeout_s and took_s > self.stall_timeout_s / 2:
+            log.warning("an engine step took %.1f s, over half of engine_stall_timeout_s (%.0f s): raise the timeout "
+                        "(or lower max_num_batched_tokens) before a slow step is taken for a hang",
+                        took_s, self.stall_timeout_s)
+
+    def running_s(self) -> float:
+        """How long the step in flight has been running, s (0 when none is)."""
+        return 0.0 if self._started_s is None else self._clock() - self._started_s
+
+    @property
+    def stalled(self) -> bool:
+        """The step in flight has run longer than the stall timeout (the rule of
+        ``WorkerStatus.engine_stalled``, applied here only to log it)."""
+        return 0.0 < self.stall_timeout_s < self.running_s()
+
+    def report_stall(self, num_held: int) -> None:
+        """Log once per stalled step that the worker now counts as dead (the heartbeat
+        calls this on every beat)."""
+        if self.stalled and not self._stall_reported:
+            self._stall_reported = True
+            log.error("engine step %d has run %.1f s, longer than engine_stall_timeout_s (%.0f s): the heartbeat "
+                      "reports the engine stalled; gateways fail over the %d requests held here",
+                      self.num_steps + 1, self.running_s(), self.stall_timeout_s, num_held)
