@@ -92,7 +92,7 @@ class Bench:
     def build(self) -> LLM:
         t0 = time.perf_counter()
         llm = LLM(model=self.args.model, load_format="dummy", max_num_seqs=self.args.max_num_seqs,
-                  max_model_len=4096, max_num_batched_tokens=4096)
+                  max_model_len=4096, max_num_batched_tokens=4096, mixed_cuda_graphs=self.args.mixed_cuda_graphs)
         runner = llm.engine.runner
         model = runner.model
         cfg = model.config
@@ -108,8 +108,10 @@ class Bench:
         self.kv_bytes_per_token = cfg.kv_bytes_per_token(emb.element_size())
         self.vocab = cfg.vocab_size
         self.res["engine"] = {"build_s": round(time.perf_counter() - t0, 2),
-                              "graph_capture_s": round(runner.graphs.capture_time_s, 2) if runner.graphs else None,
+                              "graph_capture_s": round(runner.capture_time_s, 2),
+                              "graph_memory_gib": round(runner.graph_memory_bytes / 2**30, 2),
                               "graph_buckets": runner.graphs.buckets if runner.graphs else None,
+                              "mixed_graph_buckets": runner.mixed.buckets if runner.mixed else None,
                               "num_kv_blocks": runner.num_blocks, "weight_bytes": weight_bytes,
                               "params_excl_embedding": params, "backend": runner.backend.name,
                               "fused_ops": sorted(runner.backend.fused_ops)}
@@ -224,12 +226,20 @@ class Bench:
         prompts = [rand_prompt(plen, self.vocab, self.rng) for _ in range(n)]
         params = SamplingParams(max_tokens=olen, ignore_eos=True, temperature=0.0)
         self.llm.generate(prompts[:8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        runner = self.llm.engine.runner
+        before = (runner.num_eager_steps, runner.mixed.num_replays if runner.mixed else 0)
         t0 = time.perf_counter()
         outs = self.llm.generate(prompts, params)
         dt = time.perf_counter() - t0
         assert all(len(o.token_ids) == olen for o in outs)
+        # Share of the bf16 matmul rate: 2 * params FLOPs per token computed (prompt and
+        # output tokens; attention FLOPs left out).
+        frac = 2 * self.params * n * (plen + olen) / dt / self.res["hw"]["matmul_flops"]
         self.res["serve"] = {"num_requests": n, "prompt_len": plen, "output_len": olen, "wall_s": round(dt, 2),
-                             "output_tok_s": round(n * olen / dt), "total_tok_s": round(n * (plen + olen) / dt)}
+                             "output_tok_s": round(n * olen / dt), "total_tok_s": round(n * (plen + olen) / dt),
+                             "frac_of_matmul": round(frac, 3), "mixed_cuda_graphs": runner.mixed is not None,
+                             "eager_steps": runner.num_eager_steps - before[0],
+                             "mixed_graph_steps": (runner.mixed.num_replays if runner.mixed else 0) - before[1]}
         print(self.res["serve"], flush=True)
 
     def _ttft(self, prompts: list[list[int]]) -> dict[str, float]:
@@ -331,7 +341,8 @@ def print_table(res: dict[str, Any]) -> None:
         print(f"prefill {r['prompt_len']}: {r['tok_s']:,} tok/s ({r['frac_of_matmul']:.0%} of matmul rate)")
     if "serve" in res:
         s = res["serve"]
-        print(f"serve 1000 x 256/64: {s['output_tok_s']:,} output tok/s ({s['wall_s']} s)")
+        print(f"serve 1000 x 256/64: {s['output_tok_s']:,} output tok/s ({s['wall_s']} s, "
+              f"{s.get('frac_of_matmul', 0):.0%} of the matmul rate, mixed-step graphs {s.get('mixed_cuda_graphs')})")
     if "prefix" in res:
         p = res["prefix"]
         print(f"prefix TTFT mean: on {p['on']['mean_ms']} ms, off {p['off']['mean_ms']} ms "
@@ -346,6 +357,8 @@ def main() -> None:
     ap.add_argument("--sections", default=ALL_SECTIONS)
     ap.add_argument("--out", default="bench/results/engine_h100.json")
     ap.add_argument("--max-num-seqs", type=int, default=128)
+    ap.add_argument("--mixed-cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="capture CUDA graphs of steps that carry prefill chunks (off: they run eagerly)")
     ap.add_argument("--no-fused-ab", dest="fused_ab", action="store_false",
                     help="skip the fused-ops A/B of the decode section (5 recaptures)")
     args = ap.parse_args()

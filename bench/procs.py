@@ -30,14 +30,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def spawn(argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
+def spawn(argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None,
+          die_with_parent: bool = False) -> subprocess.Popen[bytes]:
     """``python argv...`` in the repo root, stdout and stderr appended to ``log_path``.
 
-    ``env`` adds to (and overrides) this process's environment.
+    ``env`` adds to (and overrides) this process's environment. ``die_with_parent``: the
+    child gets SIGTERM when this process dies (``shared.lifecycle``; call from the main
+    thread), so a killed benchmark leaves no server behind.
     """
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    preexec = None
+    if die_with_parent:
+        from shared.lifecycle import parent_death_preexec
+
+        preexec = parent_death_preexec(signal.SIGTERM)
     with open(log_path, "ab") as log:
-        return subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=full_env, stdout=log,
+                                stderr=subprocess.STDOUT, preexec_fn=preexec)  # noqa: PLW1509
 
 
 def start(command: str, redis_url: str, *args: str, log_path: Path,
@@ -69,6 +78,35 @@ def cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     # After the ")" closing the command name, utime and stime are the 12th and 13th fields.
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cmdline(pid: int) -> list[str]:
+    """The argv of a running process (``/proc/PID/cmdline``); empty for a zombie.
+
+    Raises ``FileNotFoundError`` when the process is gone.
+    """
+    return [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
+
+
+def descendants(pid: int) -> list[tuple[int, int]]:
+    """``(pid, parent pid)`` of every live descendant of ``pid`` (children, grandchildren...),
+    each parent before its children, from a scan of ``/proc``."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):  # exited during the scan
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found: list[tuple[int, int]] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop(0)
+        for child in sorted(children.get(parent, [])):
+            found.append((child, parent))
+            todo.append(child)
+    return found
 
 
 def redis_pid(redis_url: str) -> int:

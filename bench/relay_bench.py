@@ -19,7 +19,7 @@ wraps ``Worker._publish`` and records ``time.time()`` just before each step's pu
 pipeline, per (request, first_index); the client records ``time.time()`` per content
 chunk. Prompt tokens are words that each decode on their own, so chunk ``i`` is output
 token ``i``. All processes share one host clock, so the difference is exact up to
-scheduling. (Across hosts this needs a ``sent_unix_s`` field on ``TokenMessage``.)
+scheduling. (Across hosts this needs a ``sent_unix_s`` field on ``TokenBatch``.)
 
 Usage: ``python -m bench.relay_bench`` (run) or ``python -m bench.relay_bench worker ...``
 (one sim worker; the run starts these itself). Results: JSON + a table.
@@ -274,11 +274,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         codes = [stop(w) for w in workers]
         stop(gateway)
         server.close()
+    from gateway.request_ids import WIRE_ID_SEPARATOR
+
     publish: dict[str, dict[int, float]] = {}
     for i in range(args.num_workers):
         path = logs / f"timings-{i}.json"
         if path.exists():
-            for rid, pairs in json.loads(path.read_text()).items():
+            for wire_id, pairs in json.loads(path.read_text()).items():
+                # The worker sees the wire id: the client's id plus a random suffix.
+                rid = wire_id.split(WIRE_ID_SEPARATOR)[0]
                 publish.setdefault(rid, {}).update({int(k): t for k, t in pairs})
     for name, (results, wall_s, cpu) in raw.items():
         phase = analyse(results, wall_s, args.max_tokens, tokenizer, publish)

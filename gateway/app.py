@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
+import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from types import FrameType
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -46,6 +49,12 @@ log = logging.getLogger(__name__)
 REDIS_CONNECT_TIMEOUT_S = 2.0
 #: How long ``/health`` waits for PING and ``/ready`` for the heartbeats, s.
 HEALTH_TIMEOUT_S = 2.0
+#: uvicorn's graceful shutdown: how long a stopping gateway lets responses in flight
+#: finish before it cuts them, s.
+GRACEFUL_SHUTDOWN_S = 5
+#: Response header naming the gateway process that answered (its gateway id, as in its
+#: reply channel and its "gateway <id> serving" log line).
+GATEWAY_ID_HEADER = "x-inferq-gateway"
 
 
 def load_tokenizer(source: ModelSource) -> Any:
@@ -79,9 +88,9 @@ def create_app(gateway: GatewaySettings, redis: RedisSettings, model: ModelSetti
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = aioredis.from_url(redis.redis_url, socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S)
-        gateway_id = secrets.token_hex(8)
+        gateway_id = app.state.gateway_id
         relay = Relay(client, keys.gateway_channel(gateway_id),
-                      on_orphan=lambda request_id: state.publish_abort(request_id, "orphaned"))
+                      on_orphans=lambda request_ids: state.publish_abort(request_ids, "orphaned"))
         state = GatewayState(
             settings=gateway, model_settings=model, served_model_name=served_name, source_name=source.name,
             keys=keys, gateway_id=gateway_id, redis=client, relay=relay,
@@ -107,6 +116,7 @@ def create_app(gateway: GatewaySettings, redis: RedisSettings, model: ModelSetti
 
     app = FastAPI(title="inferq", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.metrics = metrics
+    app.state.gateway_id = secrets.token_hex(8)  # names this process's reply channel
     install_error_handlers(app)
     install_openapi(app)
 
@@ -158,11 +168,37 @@ def create_app(gateway: GatewaySettings, redis: RedisSettings, model: ModelSetti
     return app
 
 
-def run(gateway: GatewaySettings, redis: RedisSettings, model: ModelSettings, source: ModelSource) -> None:
-    """Serve the gateway with uvicorn on ``gateway.host:gateway.port`` until stopped."""
+def run(gateway: GatewaySettings, redis: RedisSettings, model: ModelSettings, source: ModelSource,
+        *, sock: socket.socket | None = None, on_stop: Callable[[], None] | None = None) -> None:
+    """Serve the gateway with uvicorn until SIGINT or SIGTERM stops it (graceful shutdown
+    of ``GRACEFUL_SHUTDOWN_S``), on ``sock`` (a bound TCP socket, e.g. one of several
+    sharing the port: gateway/multiproc.py) or else on ``gateway.host:gateway.port``.
+    ``on_stop()`` runs in the signal handler when the first stop signal comes. Every
+    response carries the header ``GATEWAY_ID_HEADER``: this process's gateway id.
+
+    A stop signal ends in ``KeyboardInterrupt`` here (uvicorn raises the signal again
+    after its shutdown), which ``run`` absorbs, when SIGTERM's handler is
+    ``signal.default_int_handler`` (``shared.cli`` installs it): ``run`` then returns.
+    """
     import uvicorn
 
     app = create_app(gateway, redis, model, source)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if not self.should_exit and on_stop is not None:
+                on_stop()
+            super().handle_exit(sig, frame)
+
     # uvicorn's own loggers follow the level the CLI gave the root logger (--log-level).
-    uvicorn.run(app, host=gateway.host, port=gateway.port, log_level=logging.getLogger().getEffectiveLevel(),
-                timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, host=gateway.host, port=gateway.port,
+                            log_level=logging.getLogger().getEffectiveLevel(),
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, access_log=gateway.access_log,
+                            headers=[(GATEWAY_ID_HEADER, app.state.gateway_id)])
+    if sock is not None:
+        host, port = sock.getsockname()[:2]
+        log.info("gateway %s listening on %s:%d (pid %d)", app.state.gateway_id, host, port, os.getpid())
+    try:
+        Server(config).run(sockets=None if sock is None else [sock])
+    except KeyboardInterrupt:
+        pass

@@ -2,7 +2,7 @@
 request dies, the gateway re-enqueues a continuation and the client never notices.
 
 Every ``CHECK_INTERVAL_S`` the monitor finds the owner of each in-flight request (the
-worker named in its last token message, or the consumer holding its stream entry in
+worker named in its last token batch, or the consumer holding its stream entry in
 the group's pending entries list) and checks the owner's heartbeat key. When the key
 is gone (TTL ``HEARTBEAT_TTL_S`` after a SIGKILL, at once after a drain that timed
 out) or reports the engine stalled (one step running past the worker's
@@ -10,7 +10,8 @@ out) or reports the engine stalled (one step running past the worker's
 entry, XADD a ``GenerateRequest`` with ``attempt + 1`` and ``output_token_ids`` = the
 tokens the client already has. Greedy output then equals an undisturbed run: the new
 worker recomputes the KV of prompt + delivered tokens and continues, numbering its
-tokens from ``len(output_token_ids)``; the relay drops late messages of the old attempt.
+tokens from ``len(output_token_ids)``; the request's ``Generation`` (the relay's record,
+``Relay.requests``) drops late entries of the old attempt.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ async def reenqueue(state: GatewayState, gen: Generation) -> None:
     old = gen.message
     assert old is not None and gen.entry_id is not None
     cont = msgspec.structs.replace(old, attempt=old.attempt + 1, output_token_ids=list(gen.output_ids))
-    state.relay.set_attempt(gen.request_id, cont.attempt)
+    gen.attempt = cont.attempt  # from now on, entries of the replaced attempt are dropped
     async with state.redis.pipeline(transaction=True) as pipe:
         add_finish(pipe, state.stream, gen.entry_id)
         pipe.xadd(state.stream, {STREAM_FIELD: protocol.encode(cont)})
@@ -77,7 +78,7 @@ async def reenqueue(state: GatewayState, gen: Generation) -> None:
 
 async def check_once(state: GatewayState) -> int:
     """One pass over in-flight requests; returns how many were re-enqueued."""
-    gens = [g for g in state.generations.values() if not g.worker_done and g.message is not None]
+    gens = [g for g in state.relay.requests.values() if not g.worker_done and g.message is not None]
     if not gens:
         return 0
     owners = await find_owners(state, gens)
@@ -87,7 +88,7 @@ async def check_once(state: GatewayState) -> int:
     moved = 0
     for g in gens:
         owner = owners.get(g.request_id)
-        if owner in dead and not g.worker_done and state.generations.get(g.request_id) is g:
+        if owner in dead and not g.worker_done and state.relay.requests.get(g.request_id) is g:
             g.worker_id = owner
             await reenqueue(state, g)
             moved += 1

@@ -1,10 +1,21 @@
-"""One enqueued request as the gateway sees it: replies from the relay queue, put in
-order by ``first_index``, turned into text steps, under the request's deadline.
+"""One request in flight at this gateway: the one record of its state, owned by the relay
+(``Relay.requests``, wire request id -> ``Generation``, as SGLang's rid -> state map).
 
-Ordering: ``received`` counts output tokens consumed so far. A message whose
-``first_index`` is below it overlaps (a redelivery): its already-seen prefix is
-trimmed. One above it means tokens were lost: the request fails (500) rather than
-return text with a hole.
+The relay's reader calls ``accept`` for each of the request's token entries, in the
+order they arrive, on the event loop: the attempt filter, the ``first_index`` ordering,
+detokenization and stop strings (``OutputProcessor``) all happen there, in one pass
+over a batch. The request's handler only waits for the steps that come out
+(``updates`` for a stream, ``result`` for one body); failover reads the same record.
+
+Ordering: ``output_ids`` holds the output tokens consumed so far. An entry whose
+``first_index`` is below ``len(output_ids)`` overlaps (a redelivery): its already-seen
+prefix is trimmed. One above it means tokens were lost: the request fails (500) rather
+than return text with a hole. Entries of an attempt older than ``attempt`` (replaced by
+a failover continuation) are dropped.
+
+Timers: one per request (its deadline), none per token. A non-streaming request's
+handler wakes only when the output is over, and polls its client every
+``DISCONNECT_POLL_S`` meanwhile.
 """
 
 from __future__ import annotations
@@ -15,9 +26,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from gateway.errors import OpenAIError
 from gateway.output import OutputProcessor, Step
-from gateway.relay import RelayItem, RelayLost
-from gateway.tokenize import TokenizerWorker
-from shared.protocol import ErrorMessage, GenerateRequest
+from shared.protocol import ErrorMessage, GenerateRequest, TokenOutput
 
 #: How often a non-streaming request checks whether its client is still there, s.
 DISCONNECT_POLL_S = 1.0
@@ -28,26 +37,25 @@ class ClientDisconnected(Exception):
 
 
 class Generation:
-    """Consumes one request's replies; ``steps()`` yields text as it becomes final.
+    """One request's progress, output state and delivery to its handler.
 
     Times are ``time.monotonic()`` seconds. ``worker_done`` is True once the worker
     ended the request itself (finish_reason or error), so no abort is needed.
-    ``on_close(self)`` runs exactly once, from ``close()``.
+    ``on_close(self)`` runs exactly once, from ``close()``. With ``is_disconnected``
+    the output is read whole with ``result()``, else step by step with ``updates()``.
     """
 
-    def __init__(self, *, request_id: str, queue: asyncio.Queue[RelayItem], processor: OutputProcessor,
-                 tokenizer: TokenizerWorker, arrival_s: float, deadline_s: float,
+    def __init__(self, *, request_id: str, processor: OutputProcessor, arrival_s: float, deadline_s: float,
                  on_close: Callable[[Generation], None],
                  is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> None:
         self.request_id = request_id
-        self._queue = queue
         self.processor = processor
-        self._tokenizer = tokenizer
         self.arrival_s = arrival_s
         self.deadline_s = deadline_s
         self._on_close = on_close
         self._is_disconnected = is_disconnected
-        self.received = 0
+        #: Entries of older attempts are dropped (a failover continuation replaced them).
+        self.attempt = 0
         self.first_token_s: float | None = None
         self.last_token_s: float | None = None
         self.token_gaps_s: list[float] = []
@@ -55,21 +63,31 @@ class Generation:
         self.finish_reason: str | None = None
         self.stop_string: str | None = None
         self.error: OpenAIError | None = None
-        self.disconnected = False
-        self._closed = False
         # For failover: the queued request, its stream entry, the worker that runs it
-        # (from its last message) and the output token ids received so far.
+        # (from its last token batch) and the output token ids received so far.
         self.message: GenerateRequest | None = None
         self.entry_id: bytes | None = None
         self.worker_id: str | None = None
         self.output_ids: list[int] = []
+        # Delivery: steps not yet taken by the handler; ``_ready`` is set when there are
+        # some (streams) or when the output is over (``_over``: finished or failed).
+        self._steps: list[Step] = []
+        self._ready = asyncio.Event()
+        self._over = False
+        self._deadline: asyncio.TimerHandle | None = None
+        self._closed = False
 
+    # -- the queue side -------------------------------------------------------------
     def submitted(self, message: GenerateRequest, entry_id: bytes) -> None:
-        """Record the queued request and its stream entry id."""
+        """Record the queued request and its stream entry id; the deadline starts to count."""
         self.message, self.entry_id = message, entry_id
+        if self._deadline is None and not self._closed:
+            delay_s = max(0.0, self.deadline_s - time.monotonic())
+            self._deadline = asyncio.get_running_loop().call_later(delay_s, self._expire)
 
     def resubmitted(self, message: GenerateRequest, entry_id: bytes) -> None:
-        """A continuation replaced the entry: its owner is not known yet."""
+        """A continuation replaced the entry (its ``attempt`` is already ``self.attempt``):
+        its owner is not known yet."""
         self.message, self.entry_id, self.worker_id = message, entry_id, None
 
     @property
@@ -77,81 +95,123 @@ class Generation:
         """Output tokens consumed (up to a stop string) = OpenAI ``completion_tokens``."""
         return self.processor.num_output_tokens
 
-    async def steps(self) -> AsyncIterator[Step]:
-        """Yield text steps until the output is over; the last one has ``finish_reason``.
+    # -- the relay side (synchronous, on the event loop) ------------------------------
+    def accept(self, out: TokenOutput, worker_id: str, now_s: float) -> bool:
+        """Consume one token entry sent by ``worker_id``, received at ``now_s``.
+
+        Returns False when the entry was dropped as one of an older attempt. Lost
+        tokens and a worker abort fail the request; an error of the tokenizer (a token id
+        it rejects) is raised, and the relay fails the request with it.
+        """
+        if out.attempt < self.attempt:
+            return False
+        if out.finish_reason is not None:
+            self.worker_done = True
+        if self._over:
+            return True
+        if out.finish_reason == "abort":
+            self.fail(OpenAIError(500, "the request was aborted by the worker", code="aborted"))
+            return True
+        num_received = len(self.output_ids)
+        if out.first_index > num_received:
+            self.fail(OpenAIError(500, f"lost output tokens {num_received}..{out.first_index - 1}",
+                                  code="missing_tokens"))
+            return True
+        self.worker_id = worker_id
+        new_ids = out.token_ids[num_received - out.first_index:]
+        if not new_ids and out.finish_reason is None:
+            return True  # a pure duplicate
+        if new_ids:
+            self.output_ids.extend(new_ids)
+            if self.first_token_s is None:
+                self.first_token_s = now_s
+            elif self.last_token_s is not None:
+                self.token_gaps_s.append(now_s - self.last_token_s)
+            self.last_token_s = now_s
+        self._deliver(self.processor.process(new_ids, out.finish_reason))
+        return True
+
+    def worker_failed(self, error: ErrorMessage) -> bool:
+        """The worker ended the request with ``error``; False when it was dropped as one
+        of an older attempt."""
+        if error.attempt < self.attempt:
+            return False
+        self.worker_done = True
+        self.fail(OpenAIError(error.status, error.message))
+        return True
+
+    def fail(self, error: OpenAIError) -> None:
+        """End the output with ``error`` (after the steps already delivered); no effect
+        once the output is over."""
+        if not self._over:
+            self.error = error
+            self._end()
+
+    def _expire(self) -> None:
+        self.fail(OpenAIError(504, "the request deadline passed before generation finished",
+                              code="deadline_exceeded"))
+
+    def _deliver(self, step: Step) -> None:
+        if step.text or step.finish_reason is not None:
+            self._steps.append(step)
+        if step.finish_reason is not None:
+            self.finish_reason, self.stop_string = step.finish_reason, step.stop_string
+            self._end()
+        elif step.text and self._is_disconnected is None:
+            self._ready.set()
+
+    def _end(self) -> None:
+        self._over = True
+        self._ready.set()
+        if self._deadline is not None:
+            self._deadline.cancel()
+
+    # -- the handler side ---------------------------------------------------------------
+    async def updates(self) -> AsyncIterator[list[Step]]:
+        """Yield the steps delivered since the last yield (at least one each time),
+        until the output is over; the last step has ``finish_reason``.
 
         Raises:
             OpenAIError: worker error (its status), 500 for an aborted request or lost
-                tokens, 503 when the relay lost Redis, 504 past the deadline.
-            ClientDisconnected: the client left (non-streaming polling only).
+                tokens, 503 when the relay lost Redis, 504 past the deadline (after the
+                steps delivered before it).
         """
-        try:
-            while True:
-                item = await self._next()
-                step = await self._handle(item)
-                if step is None:
-                    continue
-                yield step
-                if step.finish_reason is not None:
-                    self.finish_reason = step.finish_reason
-                    self.stop_string = step.stop_string
-                    return
-        except OpenAIError as exc:
-            self.error = exc
-            raise
-        except ClientDisconnected:
-            self.disconnected = True
-            raise
-
-    async def _next(self) -> RelayItem:
         while True:
-            remaining_s = self.deadline_s - time.monotonic()
-            if remaining_s <= 0:
-                raise OpenAIError(504, "the request deadline passed before generation finished",
-                                  code="deadline_exceeded")
-            wait_s = min(remaining_s, DISCONNECT_POLL_S) if self._is_disconnected else remaining_s
+            if not self._steps and not self._over:
+                self._ready.clear()
+                await self._ready.wait()
+            if self._steps:
+                steps, self._steps = self._steps, []
+                yield steps
+            elif self._over:
+                if self.error is not None:
+                    raise self.error
+                return
+
+    async def result(self) -> str:
+        """Wait for the whole output and return its text.
+
+        Raises:
+            OpenAIError: as ``updates``.
+            ClientDisconnected: the client left (polled every ``DISCONNECT_POLL_S``).
+        """
+        while not self._over:
             try:
-                return await asyncio.wait_for(self._queue.get(), wait_s)
+                await asyncio.wait_for(self._ready.wait(), DISCONNECT_POLL_S)
             except TimeoutError:
                 if self._is_disconnected is not None and await self._is_disconnected():
                     raise ClientDisconnected() from None
-
-    async def _handle(self, item: RelayItem) -> Step | None:
-        if isinstance(item, RelayLost):
-            raise OpenAIError(503, item.reason, code="redis_unavailable")
-        if isinstance(item, ErrorMessage):
-            self.worker_done = True
-            raise OpenAIError(item.status, item.message)
-        if item.finish_reason == "abort":
-            self.worker_done = True
-            raise OpenAIError(500, "the request was aborted by the worker", code="aborted")
-        if self.message is not None and item.attempt < self.message.attempt:
-            return None  # a late message of an attempt that failover replaced
-        if item.first_index > self.received:
-            raise OpenAIError(500, f"lost output tokens {self.received}..{item.first_index - 1}",
-                              code="missing_tokens")
-        self.worker_id = item.worker_id
-        new_ids = item.token_ids[self.received - item.first_index:]
-        if item.finish_reason is not None:
-            self.worker_done = True
-        if not new_ids and item.finish_reason is None:
-            return None  # a pure duplicate
-        self.received += len(new_ids)
-        self.output_ids.extend(new_ids)
-        now = time.monotonic()
-        if new_ids:
-            if self.first_token_s is None:
-                self.first_token_s = now
-            elif self.last_token_s is not None:
-                self.token_gaps_s.append(now - self.last_token_s)
-            self.last_token_s = now
-        return await self._tokenizer.run(self.processor.process, new_ids, item.finish_reason)
+        if self.error is not None:
+            raise self.error
+        return "".join(step.text for step in self._steps)
 
     def close(self) -> None:
         """Release the request (unregister, abort if the worker still runs it, metrics).
         Synchronous so it is safe in ``finally`` of a cancelled task. Idempotent."""
         if not self._closed:
             self._closed = True
+            if self._deadline is not None:
+                self._deadline.cancel()
             self._on_close(self)
 
     @property

@@ -164,8 +164,8 @@ class GenerationStream(StreamingResponse):
 async def submit(state: GatewayState, request: Request, request_id: str, prompt_ids: list[int],
                  params: SamplingParams, stops: list[str], arrival_s: float, *, poll_disconnect: bool) -> Generation:
     """Admit and enqueue one request; returns its ``Generation`` (registered in the
-    relay before the XADD, so no reply can be missed). A client's ``X-Request-Id`` is
-    reserved until the request ends and travels with a random suffix
+    relay, which owns it, before the XADD, so no reply can be missed). A client's
+    ``X-Request-Id`` is reserved until the request ends and travels with a random suffix
     (``gateway/request_ids.py``); ``Generation.request_id`` is that wire id.
 
     Raises:
@@ -177,13 +177,18 @@ async def submit(state: GatewayState, request: Request, request_id: str, prompt_
     client_id = request.headers.get("x-request-id") is not None
     id_key = state.keys.request_id_key(request_id) if client_id else None
     request_id = wire_request_id(request_id, client_id)
+    deadline_s = arrival_s + state.settings.request_timeout_s
+    processor = OutputProcessor(state.tokenizer.tokenizer, prompt_ids, stops,
+                                state.tokenizer.eos_token_ids | set(params.stop_token_ids))
+    gen = Generation(request_id=request_id, processor=processor, arrival_s=arrival_s, deadline_s=deadline_s,
+                     on_close=state.release if id_key is None else releasing(state, id_key, request_id),
+                     is_disconnected=request.is_disconnected if poll_disconnect else None)
     try:
-        queue = state.relay.register(request_id)
+        state.relay.register(gen)
     except KeyError:
         raise OpenAIError(409, f"request {request_id} is already in flight", param="X-Request-Id",
                           code="duplicate_request") from None
     now_unix_s = time.time()
-    deadline_s = arrival_s + state.settings.request_timeout_s
     message = GenerateRequest(
         request_id=request_id, model=state.served_model_name, prompt_token_ids=prompt_ids, sampling=params,
         reply_channel=state.relay.channel, deadline_unix_s=now_unix_s + (deadline_s - time.monotonic()),
@@ -195,49 +200,42 @@ async def submit(state: GatewayState, request: Request, request_id: str, prompt_
         raise
     state.metrics.prompt_tokens.labels(state.served_model_name).inc(len(prompt_ids))
     state.metrics.requests_in_flight.labels(state.served_model_name).inc()
-    processor = OutputProcessor(state.tokenizer.tokenizer, prompt_ids, stops,
-                                state.tokenizer.eos_token_ids | set(params.stop_token_ids))
-    gen = Generation(request_id=request_id, queue=queue, processor=processor, tokenizer=state.tokenizer,
-                     arrival_s=arrival_s, deadline_s=deadline_s,
-                     on_close=state.release if id_key is None else releasing(state, id_key, request_id),
-                     is_disconnected=request.is_disconnected if poll_disconnect else None)
     gen.submitted(message, entry_id)
-    state.generations[request_id] = gen
     return gen
 
 
 async def full_response(gen: Generation, shape: ResponseShape, num_prompt_tokens: int,
                         headers: dict[str, str]) -> Response:
     """Wait for the whole output and answer one JSON body (or the error)."""
-    texts: list[str] = []
     try:
-        async for step in gen.steps():
-            texts.append(step.text)
+        text = await gen.result()
     except OpenAIError as exc:
         return exc.response()
     except ClientDisconnected:
         return Response(status_code=499)
     finally:
         gen.close()
-    body = shape.body("".join(texts), gen.finish_reason, usage(num_prompt_tokens, gen.num_output_tokens))
+    body = shape.body(text, gen.finish_reason, usage(num_prompt_tokens, gen.num_output_tokens))
     return JSONResponse(body, headers=headers)
 
 
 async def stream_events(gen: Generation, shape: ResponseShape, num_prompt_tokens: int,
                         include_usage: bool) -> AsyncIterator[bytes]:
     """SSE body: chunks as text becomes final, the finish_reason chunk, the usage chunk
-    when asked, then ``[DONE]``. An error mid-stream is an ``{"error": ...}`` event then
-    ``[DONE]``. Cancellation (client gone) closes the generation, which aborts it."""
+    when asked, then ``[DONE]``. Steps that arrived while the previous write was under
+    way go out in one write, one event each. An error mid-stream is an
+    ``{"error": ...}`` event then ``[DONE]``. Cancellation (client gone) closes the
+    generation, which aborts it."""
     try:
         first = shape.first_chunk()
         if first is not None:
             yield sse_event(first)
-        async for step in gen.steps():
-            if step.text or step.finish_reason is not None:
-                yield sse_event(shape.chunk(step.text, step.finish_reason))
+        async for steps in gen.updates():
+            yield b"".join([shape.chunk_event(s.text, s.finish_reason) for s in steps])
+        usage_event = b""
         if include_usage:
-            yield sse_event(shape.usage_chunk(usage(num_prompt_tokens, gen.num_output_tokens)))
-        yield DONE_EVENT
+            usage_event = sse_event(shape.usage_chunk(usage(num_prompt_tokens, gen.num_output_tokens)))
+        yield usage_event + DONE_EVENT
     except OpenAIError as exc:
         yield sse_event(exc.body())
         yield DONE_EVENT

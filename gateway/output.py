@@ -1,6 +1,7 @@
 """Turns one request's output token ids into released text: incremental
 detokenization, hidden stop tokens, stop strings, and the count of tokens consumed.
-Pure and synchronous (runs in the tokenizer executor, off the event loop)."""
+Pure and synchronous: the relay runs it on the event loop, for every request of a
+token batch in one pass (a few µs per token; docs/architecture.md, "The relay")."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.detokenizer import IncrementalDetokenizer
+from gateway.detokenizer import make_detokenizer
 from gateway.stop import StopChecker
 
 
@@ -37,7 +38,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], stops: Sequence[str] = (),
                  hidden_token_ids: Iterable[int] = ()) -> None:
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self._detok = make_detokenizer(tokenizer, prompt_ids)
         self._stop = StopChecker(stops)
         self._hidden = frozenset(hidden_token_ids)
         self.num_output_tokens = 0
@@ -52,7 +53,11 @@ class OutputProcessor:
         for i, token_id in enumerate(token_ids):
             self.num_output_tokens += 1
             hide = i == last and finish_reason == "stop" and token_id in self._hidden
-            result = self._stop.add("" if hide else self._detok.add(token_id))
+            text = "" if hide else self._detok.add(token_id)
+            if not self._stop.stops:  # the common case: every character is released at once
+                parts.append(text)
+                continue
+            result = self._stop.add(text)
             parts.append(result.text)
             if result.stopped:
                 self.finished = True

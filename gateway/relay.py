@@ -1,64 +1,54 @@
 """The per-gateway reply relay: ONE pub/sub connection subscribed to this gateway's
-channel, and a reader task that hands each decoded message to the queue of the request
-it belongs to.
+channel, a reader that decodes each message, and the map of requests in flight here
+(``requests``: wire request id -> ``Generation``, the one record of a request's state).
 
-Requests register before their XADD so no reply can arrive for an unknown id. Messages
-of unknown requests (finished, aborted) and of older attempts (after a failover
-re-enqueue) are dropped. When the connection drops, every in-flight request gets a
-``RelayLost`` (its replies published meanwhile are gone) and the reader reconnects with
-exponential backoff, re-subscribing.
+Workers publish one ``TokenBatch`` per engine step for this gateway (every request of
+it that got tokens); the reader hands each entry to its ``Generation.accept``, which
+orders, detokenizes and delivers it, all in one pass on the event loop. The reader
+blocks on the socket (``pubsub.listen()``): no timer per message.
+
+Requests register before their XADD so no reply can arrive for an unknown id. Entries
+of unknown requests (finished, aborted) are dropped; an unfinished one means a worker
+still runs a request nobody waits for, and is aborted (``on_orphans``). When the
+connection drops, every in-flight request fails with 503 (its replies published
+meanwhile are gone) and the reader reconnects with exponential backoff, re-subscribing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 import redis.exceptions
 
+from gateway.errors import OpenAIError
+from gateway.generation import Generation
 from shared import protocol
-from shared.protocol import ErrorMessage, TokenMessage
+from shared.protocol import ErrorMessage, TokenBatch
 
 log = logging.getLogger(__name__)
 
-#: Seconds one ``get_message`` waits before the loop checks again.
-_POLL_TIMEOUT_S = 1.0
 #: How many orphaned request ids the relay remembers having asked to abort.
 _ORPHANS_KEPT = 4096
 
 
-@dataclass(frozen=True, slots=True)
-class RelayLost:
-    """Put on every in-flight request's queue when the pub/sub connection is lost."""
-
-    reason: str
-
-
-RelayItem = TokenMessage | ErrorMessage | RelayLost
-
-
-@dataclass(slots=True)
-class _Entry:
-    attempt: int
-    queue: asyncio.Queue[RelayItem]
-
-
 class Relay:
-    """Dispatches replies on ``channel`` to per-request queues.
+    """Dispatches replies on ``channel`` to the requests in flight.
 
     ``ready`` is set while subscribed; requests must not be enqueued otherwise (a worker
     publishing to zero subscribers takes the gateway for dead).
     """
 
     def __init__(self, client: aioredis.Redis, channel: str, *, backoff_initial_s: float = 0.05,
-                 backoff_max_s: float = 2.0, on_orphan: Callable[[str], None] | None = None) -> None:
+                 backoff_max_s: float = 2.0, on_orphans: Callable[[list[str]], None] | None = None) -> None:
         self._client = client
         self.channel = channel
-        self._entries: dict[str, _Entry] = {}
+        #: The requests in flight on this gateway, by wire request id.
+        self.requests: dict[str, Generation] = {}
         self._backoff_initial_s = backoff_initial_s
         self._backoff_max_s = backoff_max_s
         self.ready = asyncio.Event()
@@ -67,36 +57,30 @@ class Relay:
         self._subscribed = False
         self.num_dropped = 0
         # Tokens for a request this gateway no longer waits on mean a worker still runs
-        # it (its abort was lost, e.g. Redis was down): ``on_orphan`` asks for another
+        # it (its abort was lost, e.g. Redis was down): ``on_orphans`` asks for another
         # abort, once per request id (the last ``_ORPHANS_KEPT`` ids are remembered).
-        self._on_orphan = on_orphan
+        self._on_orphans = on_orphans
         self._orphans: OrderedDict[str, None] = OrderedDict()
 
     # -- requests ---------------------------------------------------------------
-    def register(self, request_id: str, attempt: int = 0) -> asyncio.Queue[RelayItem]:
-        """Start collecting replies for ``request_id``.
+    def register(self, gen: Generation) -> None:
+        """Start relaying replies to ``gen``.
 
         Raises:
-            KeyError: the id is already in flight on this gateway.
+            KeyError: its request id is already in flight on this gateway.
         """
-        if request_id in self._entries:
-            raise KeyError(request_id)
-        entry = _Entry(attempt, asyncio.Queue())
-        self._entries[request_id] = entry
-        return entry.queue
-
-    def set_attempt(self, request_id: str, attempt: int) -> None:
-        """From now on drop replies of attempts older than ``attempt`` (failover)."""
-        self._entries[request_id].attempt = attempt
+        if gen.request_id in self.requests:
+            raise KeyError(gen.request_id)
+        self.requests[gen.request_id] = gen
 
     def unregister(self, request_id: str) -> None:
         """Forget ``request_id``; later replies for it are dropped. Idempotent."""
-        self._entries.pop(request_id, None)
+        self.requests.pop(request_id, None)
 
     @property
     def num_in_flight(self) -> int:
         """Requests registered now."""
-        return len(self._entries)
+        return len(self.requests)
 
     async def wait_ready(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` seconds for the subscription; True when subscribed."""
@@ -150,18 +134,16 @@ class Relay:
         pubsub = self._client.pubsub()
         try:
             await pubsub.subscribe(self.channel)
-            # The subscribe confirmation proves the subscription is live on the server.
-            while True:
-                msg = await pubsub.get_message(timeout=_POLL_TIMEOUT_S)
-                if msg is not None and msg["type"] == "subscribe":
-                    break
-            self.ready.set()
-            self._subscribed = True
-            log.info("relay subscribed to %s", self.channel)
-            while True:
-                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=_POLL_TIMEOUT_S)
-                if msg is not None and msg["type"] == "message":
+            async for msg in pubsub.listen():
+                kind = msg["type"]
+                if kind == "message":
                     self.dispatch(msg["data"])
+                elif kind == "subscribe":
+                    # The confirmation proves the subscription is live on the server.
+                    self.ready.set()
+                    self._subscribed = True
+                    log.info("relay subscribed to %s", self.channel)
+            raise redis.exceptions.ConnectionError("pub/sub subscription ended")
         finally:
             self.ready.clear()
             try:
@@ -170,29 +152,46 @@ class Relay:
                 log.debug("relay pubsub close failed: %r", exc)
 
     def dispatch(self, payload: bytes) -> None:
-        """Decode one published payload and queue it for its request (or drop it)."""
+        """Decode one published payload and hand each entry to its request (or drop it)."""
         try:
             msg = protocol.decode(payload)
         except protocol.ProtocolError as exc:
             self.num_dropped += 1
             log.warning("relay dropped a message: %s", exc)
             return
-        if not isinstance(msg, (TokenMessage, ErrorMessage)):
+        if isinstance(msg, TokenBatch):
+            self._dispatch_batch(msg)
+        elif isinstance(msg, ErrorMessage):
+            gen = self.requests.get(msg.request_id)
+            if gen is None or not gen.worker_failed(msg):
+                self.num_dropped += 1
+        else:
             self.num_dropped += 1
             log.warning("relay dropped an unexpected %s message", type(msg).__name__)
-            return
-        entry = self._entries.get(msg.request_id)
-        if entry is None or msg.attempt < entry.attempt:
-            self.num_dropped += 1
-            if (entry is None and isinstance(msg, TokenMessage) and msg.finish_reason is None
-                    and self._on_orphan is not None and msg.request_id not in self._orphans):
-                self._orphans[msg.request_id] = None
-                if len(self._orphans) > _ORPHANS_KEPT:
-                    self._orphans.popitem(last=False)
-                self._on_orphan(msg.request_id)
-            return
-        entry.queue.put_nowait(msg)
+
+    def _dispatch_batch(self, batch: TokenBatch) -> None:
+        now_s = time.monotonic()
+        orphans: list[str] = []
+        for out in batch.outputs:
+            gen = self.requests.get(out.request_id)
+            if gen is None:
+                self.num_dropped += 1
+                if out.finish_reason is None and out.request_id not in self._orphans:
+                    orphans.append(out.request_id)
+                continue
+            try:
+                if not gen.accept(out, batch.worker_id, now_s):
+                    self.num_dropped += 1
+            except Exception as exc:  # one request's failure must not stop the others
+                log.exception("relaying %s failed", out.request_id)
+                gen.fail(OpenAIError(500, f"internal error: {type(exc).__name__}"))
+        if orphans and self._on_orphans is not None:
+            for request_id in orphans:
+                self._orphans[request_id] = None
+            while len(self._orphans) > _ORPHANS_KEPT:
+                self._orphans.popitem(last=False)
+            self._on_orphans(orphans)
 
     def _fail_all(self, reason: str) -> None:
-        for entry in self._entries.values():
-            entry.queue.put_nowait(RelayLost(reason))
+        for gen in list(self.requests.values()):
+            gen.fail(OpenAIError(503, reason, code="redis_unavailable"))

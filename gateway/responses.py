@@ -2,20 +2,28 @@
 
 Completions use ``text_completion`` objects; chat uses ``chat.completion`` and
 ``chat.completion.chunk`` (the first chunk carries ``{"role": "assistant", "content": ""}``).
+
+Stream chunks are the hot path (one per output token and stream): ``ResponseShape``
+encodes each request's constant JSON once, so a text chunk costs one ``msgspec`` string
+encode and a concatenation. The bytes equal ``sse_event`` of the dict form
+(tests/test_relay_batches.py checks).
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 DONE_EVENT = b"data: [DONE]\n\n"
 
+_json_encode = msgspec.json.Encoder().encode
+
 
 def sse_event(payload: dict[str, Any]) -> bytes:
-    """One Server-Sent Event ``data: <json>\\n\\n``."""
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    """One Server-Sent Event ``data: <json>\\n\\n`` (compact JSON, UTF-8 as is)."""
+    return b"data: " + _json_encode(payload) + b"\n\n"
 
 
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
@@ -32,6 +40,15 @@ class ResponseShape:
     model: str
     created_unix_s: int
     chat: bool
+    #: ``sse_event(self.chunk(text))`` = ``_text_head + <text as JSON> + _text_tail``.
+    _text_head: bytes = field(init=False, repr=False)
+    _text_tail: bytes = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        marker = "\x00"  # the text is the last string of the chunk: split at its last
+        head, _, tail = sse_event(self.chunk(marker)).rpartition(_json_encode(marker))
+        object.__setattr__(self, "_text_head", head)
+        object.__setattr__(self, "_text_tail", tail)
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created_unix_s, "model": self.model}
@@ -61,6 +78,13 @@ class ResponseShape:
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         return {**self._head("text_completion"), "choices": [choice]}
+
+    def chunk_event(self, text: str, finish_reason: str | None = None) -> bytes:
+        """``sse_event(self.chunk(text, finish_reason))``, the text-only chunk without
+        building the dict."""
+        if finish_reason is None:
+            return self._text_head + _json_encode(text) + self._text_tail
+        return sse_event(self.chunk(text, finish_reason))
 
     def usage_chunk(self, usage_: dict[str, int]) -> dict[str, Any]:
         """The final ``choices: []`` chunk of ``stream_options.include_usage``."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class GatewayState:
-    """The app's Redis client, relay, tokenizer threads, metrics and background tasks.
+    """The app's Redis client, relay (which holds the requests in flight), tokenizer
+    threads, metrics and background tasks.
 
     ``gateway_id`` (random hex, made at startup) names this gateway's reply channel.
     """
@@ -43,37 +44,36 @@ class GatewayState:
     #: Longest prompt + output, tokens (``shared.model_source.max_model_len``, which
     #: every backend uses too).
     max_model_len: int
-    #: In-flight requests of this gateway, by request id (the failover monitor's view).
-    generations: dict[str, Generation] = field(default_factory=dict)
 
     @property
     def stream(self) -> str:
         """The model's request stream."""
         return self.keys.requests_stream(self.served_model_name)
 
-    def publish_abort(self, request_id: str, reason: str) -> None:
-        """Tell every worker to stop ``request_id`` (in a kept background task, so it is
-        safe to call from ``finally`` of a cancelled request)."""
-        self.metrics.aborted(reason)
-        payload = protocol.encode(AbortMessage(request_ids=[request_id], reason=reason))
-        self.tasks.spawn(self.redis.publish(self.keys.control_channel(), payload), name=f"abort:{request_id}")
+    def publish_abort(self, request_ids: list[str], reason: str) -> None:
+        """Tell every worker to stop ``request_ids``, in one message (in a kept background
+        task, so it is safe to call from ``finally`` of a cancelled request)."""
+        for _ in request_ids:
+            self.metrics.aborted(reason)
+        payload = protocol.encode(AbortMessage(request_ids=request_ids, reason=reason))
+        self.tasks.spawn(self.redis.publish(self.keys.control_channel(), payload), name=f"abort:{request_ids[0]}")
 
     def release(self, gen: Generation) -> None:
         """``Generation.on_close``: forget the request, abort it if the worker still runs
         it, and record its metrics."""
         self.relay.unregister(gen.request_id)
-        self.generations.pop(gen.request_id, None)
         reason = gen.abort_reason
         if reason is not None:
-            self.publish_abort(gen.request_id, reason)
+            self.publish_abort([gen.request_id], reason)
         m, name = self.metrics, self.served_model_name
         m.requests_in_flight.labels(name).dec()
         m.generation_tokens.labels(name).inc(gen.num_output_tokens)
         ttft_s = None if gen.first_token_s is None else gen.first_token_s - gen.arrival_s
         if ttft_s is not None:
             m.time_to_first_token.labels(name).observe(ttft_s)
+        inter_token_latency = m.inter_token_latency.labels(name)
         for gap_s in gen.token_gaps_s:
-            m.inter_token_latency.labels(name).observe(gap_s)
+            inter_token_latency.observe(gap_s)
         if gen.finish_reason is not None:
             m.request_success.labels(name, gen.finish_reason).inc()
             m.observe_finished(ttft_s, time.monotonic() - gen.arrival_s, gen.num_output_tokens)

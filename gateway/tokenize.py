@@ -1,5 +1,5 @@
-"""Prompt tokenization (encode, chat template) and output detokenization, on separate
-threads so that one request's CPU work never queues behind another's.
+"""Prompt tokenization (encode, chat template) on a thread pool, so that one request's
+CPU work never queues behind another's.
 
 - Prompts are encoded on a pool of ``num_encode_threads`` threads that call the Rust
   ``tokenizers.Tokenizer`` of a fast tokenizer directly: its ``encode_batch`` releases the
@@ -12,8 +12,8 @@ threads so that one request's CPU work never queues behind another's.
   request gets a 503 and nobody waits for it. Python cannot stop a running thread, so an
   encode that overran still finishes in the background; the character bound below keeps
   every encode that starts short.
-- Output detokenization (``run``) has one thread of its own: a step is O(a few tokens),
-  and one thread keeps each request's steps in order.
+- Output detokenization is not here: it runs on the event loop, in the relay's pass
+  over each token batch (``gateway/detokenizer.py``: a few µs per token).
 - Cheap checks first: a prompt of C characters has at least ``ceil(C / max_token_chars)``
   tokens, so a prompt that cannot fit ``max_model_len`` is refused without tokenizing it
   (``max_token_chars``; docs/operations.md, "Limits").
@@ -122,7 +122,7 @@ def default_num_encode_threads() -> int:
 
 
 class TokenizerWorker:
-    """A tokenizer, its encode pool and its output thread.
+    """A tokenizer and its encode pool.
 
     ``vocab_size`` bounds token-id prompts; ``eos_token_ids`` are hidden from output text;
     ``max_token_chars`` (None: unknown) bounds the characters per token.
@@ -149,11 +149,6 @@ class TokenizerWorker:
         self._backend = _encode_backend(tokenizer)
         self.num_encode_threads = num_encode_threads or default_num_encode_threads()
         self._encode_pool = ThreadPoolExecutor(self.num_encode_threads, thread_name_prefix="inferq-encode")
-        self._output_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inferq-detokenize")
-
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(*args)`` on the output (detokenization) thread and await its result."""
-        return await asyncio.get_running_loop().run_in_executor(self._output_thread, fn, *args)
 
     async def _run_encode(self, fn: Callable[..., T], *args: Any, param: str) -> T:
         """Run ``fn(*args)`` on the encode pool within the time budget.
@@ -170,9 +165,8 @@ class TokenizerWorker:
                               param=param, code="tokenize_timeout") from None
 
     def close(self) -> None:
-        """Stop the threads: queued encodes are dropped, queued output steps finished."""
+        """Stop the threads: queued encodes are dropped."""
         self._encode_pool.shutdown(wait=False, cancel_futures=True)
-        self._output_thread.shutdown(wait=True)
 
     def check_prompt_chars(self, num_chars: int, max_model_len: int, param: str) -> None:
         """Refuse a prompt of ``num_chars`` characters that cannot fit ``max_model_len``

@@ -52,7 +52,11 @@ def load() -> ModuleType | None:
     if not cpp_extension.is_ninja_available():
         log.warning("ninja is not installed: the CPU kernels fall back to the PyTorch references")
         return None
-    name = f"inferq_cpu_kernels_{_build_tag()}"
+    try:
+        name = f"inferq_cpu_kernels_{_build_tag()}"
+    except OSError as exc:  # a source missing from an installed package
+        log.warning("the CPU kernel sources are incomplete (%s): using the PyTorch references", exc)
+        return None
     build_dir = _build_dir(name)
     built = build_dir is not None and (build_dir / f"{name}.so").exists()
     if not built:  # a worker is silent for this long otherwise (issue 19)

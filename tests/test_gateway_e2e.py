@@ -11,7 +11,7 @@ import time
 import pytest
 
 from shared import protocol
-from shared.protocol import TokenMessage
+from shared.protocol import TokenBatch, TokenOutput
 from tests.test_gateway_harness import (  # noqa: F401 - fixtures are used by name
     ANSWER,
     MODEL,
@@ -188,8 +188,9 @@ async def test_gap_in_token_indices_is_an_error(harness):
 
 async def test_older_attempt_messages_are_dropped(harness):
     async def old_attempt(req, w):
-        stale = TokenMessage(request_id=req.request_id, attempt=-1, worker_id="old", first_index=0,
-                             token_ids=[w.tok.encode(" WRONG", add_special_tokens=False)[0]])
+        stale = TokenBatch(worker_id="old", outputs=[TokenOutput(
+            request_id=req.request_id, attempt=-1, first_index=0,
+            token_ids=[w.tok.encode(" WRONG", add_special_tokens=False)[0]])])
         await w.client.publish(req.reply_channel, protocol.encode(stale))
         await answer_tokens(req, w)
     harness.worker.behavior = old_attempt

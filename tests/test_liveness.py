@@ -184,7 +184,7 @@ def test_reaper_claims_entries_of_a_consumer_whose_engine_stalled(stack: Stack) 
     while time.monotonic() < deadline and len(tokens) < 3:
         msg = pubsub.get_message(ignore_subscribe_messages=True, timeout=0.5)
         if msg:
-            tokens += protocol.decode(msg["data"]).token_ids
+            tokens += [t for out in protocol.decode(msg["data"]).outputs for t in out.token_ids]
     assert tokens == [5, 6, 7]
     while pending_total(stack.redis_url) and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -8,6 +8,7 @@ from shared.sampling import SamplingParams
 from worker.llm import LLM
 
 QUESTIONS = ["What is the capital of France?", "Name a prime number.", "Summarise the text above."]
+NUM_OUTPUT = 32  # compared per prompt: ignore_eos, so an early EOS cannot shorten the comparison
 
 
 def _prompts(llm: LLM) -> list[list[int]]:
@@ -21,7 +22,7 @@ def _prompts(llm: LLM) -> list[list[int]]:
 def _run(enable: bool) -> tuple[list[list[int]], list[int]]:
     llm = LLM(dtype="float32", device="cpu", enable_prefix_caching=enable)
     prompts = _prompts(llm)
-    params = SamplingParams(max_tokens=8, temperature=0.0)
+    params = SamplingParams(max_tokens=NUM_OUTPUT, temperature=0.0, ignore_eos=True)
     first = llm.generate(prompts[:1], params)  # fills the cache with the prefix's blocks
     rest = llm.generate(prompts[1:], params)
     outs = first + rest
@@ -31,6 +32,7 @@ def _run(enable: bool) -> tuple[list[list[int]], list[int]]:
 def test_prefix_caching_same_tokens() -> None:
     on_tokens, on_cached = _run(True)
     off_tokens, off_cached = _run(False)
+    assert all(len(t) == NUM_OUTPUT for t in on_tokens)
     assert on_tokens == off_tokens
     assert all(n >= 992 for n in on_cached), on_cached  # the prefix's 62 full blocks
     assert off_cached == [0, 0]

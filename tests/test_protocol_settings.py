@@ -6,7 +6,7 @@ import pytest
 
 from shared import protocol
 from shared.keys import Keys
-from shared.protocol import AbortMessage, GenerateRequest, ProtocolError, TokenMessage
+from shared.protocol import AbortMessage, GenerateRequest, ProtocolError, TokenBatch, TokenOutput
 from shared.sampling import InvalidParameter, SamplingParams
 from shared.settings import EngineSettings, GatewaySettings, build, settings_table
 
@@ -15,14 +15,15 @@ def test_every_message_round_trips() -> None:
     req = GenerateRequest(request_id="r1", model="m", prompt_token_ids=[1, 2, 3],
                           sampling=SamplingParams(max_tokens=5, stop_token_ids=(7,), seed=3),
                           reply_channel="c", deadline_unix_s=1e9, attempt=2)
-    tok = TokenMessage(request_id="r1", attempt=2, worker_id="w", first_index=4, token_ids=[9],
-                       finish_reason="length")
+    tok = TokenBatch(worker_id="w", outputs=[
+        TokenOutput(request_id="r1", attempt=2, first_index=4, token_ids=[9], finish_reason="length"),
+        TokenOutput(request_id="r2", attempt=0, first_index=0, token_ids=[1, 2], num_prompt_tokens=3)])
     for message in (req, tok, AbortMessage(request_ids=["a", "b"], reason="x")):
         assert protocol.decode(protocol.encode(message)) == message
 
 
 def test_unknown_version_and_garbage_are_rejected() -> None:
-    tok = TokenMessage(request_id="r", attempt=0, worker_id="w", first_index=0, token_ids=[], v=99)
+    tok = TokenBatch(worker_id="w", outputs=[], v=99)
     with pytest.raises(ProtocolError, match="version"):
         protocol.decode(protocol.encode(tok))
     with pytest.raises(ProtocolError):

@@ -193,6 +193,14 @@ def test_no_next_decode_when_a_request_waits_or_was_aborted() -> None:
     assert not s.can_schedule_next_decode(out)
 
 
+def test_next_decode_when_requests_wait_but_no_slot_is_free() -> None:
+    s = make(num_blocks=8, block_size=4, max_num_seqs=2)
+    out = in_flight_decode(s, req("a", 3, max_tokens=8), req("b", 3, max_tokens=8))
+    s.add(req("c", 3))  # cannot be admitted before a or b finishes: the next step is decode
+    assert s.can_schedule_next_decode(out)
+    assert [x.request.request_id for x in s.schedule_next_decode(out).scheduled] == ["a", "b"]
+
+
 def test_no_next_decode_when_the_token_in_flight_reaches_max_tokens() -> None:
     s = make(num_blocks=8, block_size=4)
     out = in_flight_decode(s, req("a", 3, max_tokens=8), req("b", 3, max_tokens=2))
@@ -214,3 +222,56 @@ def test_make_stats_reads_queues_and_blocks() -> None:
     stats = s.make_stats()
     assert (stats.num_running, stats.num_waiting, stats.num_free_blocks, stats.num_blocks) == (1, 1, 7, 8)
     assert stats.kv_usage == 1 / 8
+
+
+def drive_to_completion(s: Scheduler, arrivals: list[tuple[int, Request]], max_steps: int = 20_000) -> int:
+    """Run steps with fake sampled ids, adding each request at its step; returns the
+    steps taken. Fails if a step schedules nothing while requests are unfinished (the
+    engine would spin on empty steps forever)."""
+    pending = sorted(arrivals, key=lambda a: a[0])
+    step = 0
+    while pending or s.num_unfinished:
+        while pending and pending[0][0] <= step:
+            s.add(pending.pop(0)[1])
+        out = s.schedule()
+        if out.is_empty:
+            held = {r.request_id: len(r.block_table) for r in s.waiting if r.block_table}
+            assert pending, f"step {step}: nothing scheduled, nothing running; waiting requests hold {held}"
+        s.update(out, [7 if x.samples else None for x in out.scheduled])
+        step += 1
+        assert step < max_steps
+    return step
+
+
+def test_waiting_requests_hold_no_blocks_so_a_tight_cache_cannot_deadlock() -> None:
+    """A waiting request that gets cached prefix blocks but cannot be admitted must not
+    keep them: with prefix caching, preemptions and a tight cache, two waiting requests
+    once held every block with nothing running, and every later step was empty."""
+    import random
+
+    rng = random.Random(7)
+    s = Scheduler(BlockManager(160, 16, True), 16, 512)
+    shared = [rng.randrange(1, 49152) for _ in range(300)]
+    arrivals: list[tuple[int, Request]] = []
+    for i in range(46):
+        n = rng.randint(1, 1500)
+        tokens = shared + [rng.randrange(1, 49152) for _ in range(rng.randint(1, 200))] if i >= 40 else \
+            [rng.randrange(1, 49152) for _ in range(n)]
+        params = SamplingParams(max_tokens=rng.choice((1, 2, 7, 33, 64)), ignore_eos=True)
+        arrivals.append((rng.randint(0, 60), Request(f"r{i}", tokens, params, frozenset({EOS}))))
+    drive_to_completion(s, arrivals)
+    bm = s.block_manager
+    assert s.num_preemptions > 0  # the cache was tight enough to matter
+    assert bm.num_free_blocks == bm.num_blocks and not s.waiting and not s.running
+
+
+def test_request_larger_than_the_cache_raises_also_with_a_cached_prefix() -> None:
+    s = make(num_blocks=8, block_size=4, budget=64, caching=True)
+    s.add(req("a", 9, max_tokens=1))
+    run_step(s)  # a's first two blocks are now cached
+    s.add(req("huge", 40, max_tokens=1))  # shares a's prefix, needs 10 blocks of 8
+    import pytest
+
+    with pytest.raises(RuntimeError, match="needs more KV blocks than exist"):
+        for _ in range(3):
+            run_step(s)

@@ -43,7 +43,6 @@ pytestmark = pytest.mark.timeout(30)
 TTFT_SLEEP_S = 0.05  # server waits this long before the first chunk
 ITL_SLEEP_S = 0.02  # and this long before each later chunk
 MODEL_ID = "fake/tiny-model"
-SMOL_TOKENIZER = Path("/root/.cache/inferq/models/SmolLM2-135M-Instruct")
 
 
 # ---------------------------------------------------------------- fake OpenAI-like server
@@ -151,20 +150,32 @@ async def test_counts_and_latencies(server: tuple[FakeServer, str]) -> None:
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert body["max_tokens"] == 6 and body["temperature"] == 0.0 and body["ignore_eos"] is True
     assert body["model"] == MODEL_ID
+    # Lower bounds only: the server's sleeps make each time at least this long; a loaded
+    # host only makes it longer (no wall-clock ceiling in a test).
     for out in result.outputs:
-        assert TTFT_SLEEP_S <= out.ttft_s < TTFT_SLEEP_S + 0.5
-        assert len(out.itls_s) == 5  # one gap per chunk after the first
+        assert out.ttft_s >= TTFT_SLEEP_S
+        assert len(out.itls_s) == 5  # one gap per chunk after the first (one gap may be short: chunks read late)
         assert out.latency_s >= TTFT_SLEEP_S + 5 * ITL_SLEEP_S
+        assert out.latency_s == pytest.approx(out.ttft_s + sum(out.itls_s))  # start, first chunk, gaps, last chunk
         assert out.generated_text == "tok " * 6
-    itl = m.latency["itl"]
-    assert ITL_SLEEP_S * 1000 * 0.95 <= itl.median_ms < ITL_SLEEP_S * 1000 * 5
-    assert ITL_SLEEP_S * 1000 * 0.95 <= m.latency["tpot"].mean_ms < ITL_SLEEP_S * 1000 * 5
-    assert m.latency["ttft"].mean_ms >= TTFT_SLEEP_S * 1000
-    assert m.latency["e2el"].mean_ms >= (TTFT_SLEEP_S + 5 * ITL_SLEEP_S) * 1000
-    # Concurrency 4, 8 requests of ~0.15 s each: about two waves.
-    assert 2 * (TTFT_SLEEP_S + 5 * ITL_SLEEP_S) <= m.duration_s < 3.0
+    # The summaries are of exactly these records.
+    ok = result.outputs
+    assert m.latency["ttft"].mean_ms == pytest.approx(1000 * np.mean([o.ttft_s for o in ok]))
+    assert m.latency["itl"].median_ms == pytest.approx(1000 * np.median([g for o in ok for g in o.itls_s]))
+    assert m.latency["tpot"].mean_ms == pytest.approx(1000 * np.mean([(o.latency_s - o.ttft_s) / 5 for o in ok]))
+    assert m.latency["e2el"].mean_ms == pytest.approx(1000 * np.mean([o.latency_s for o in ok]))
+    # Concurrency 4: exactly 4 requests in flight at the peak (the first four start in one
+    # event-loop pass, before any chunk arrives), never more.
+    assert max_in_flight(ok) == 4
+    assert m.duration_s >= 2 * (TTFT_SLEEP_S + 5 * ITL_SLEEP_S)  # 8 requests, 4 at a time: two waves
     assert math.isclose(m.request_throughput, 8 / m.duration_s)
     assert math.isclose(m.total_token_throughput, (48 + 128) / m.duration_s)
+
+
+def max_in_flight(outputs: list[RequestOutput]) -> int:
+    """Most requests whose [start, last chunk] intervals overlap (a request holds its
+    concurrency slot at least that long)."""
+    return max(sum(o.start_s <= t <= o.start_s + o.latency_s for o in outputs) for t in (o.start_s for o in outputs))
 
 
 async def test_multi_token_chunks_and_missing_usage(server: tuple[FakeServer, str]) -> None:
@@ -207,14 +218,19 @@ async def test_unreachable_server_fails_every_request() -> None:
 
 
 async def test_poisson_send_times_follow_schedule(server: tuple[FakeServer, str]) -> None:
+    """Checked by order and by causality, not by lateness (a loaded host may be late)."""
     _, base_url = server
     cfg = cfg_for(base_url, "ok", num_prompts=20, random_output_len=2, max_concurrency=None, request_rate_per_s=40.0)
     result = await run_benchmark(cfg)
-    starts_s = np.array([o.start_s for o in result.outputs])
     expected_s = arrival_offsets_s(20, 40.0, 1.0, cfg.seed)
-    sent_s = starts_s - starts_s[0]
-    assert np.all(sent_s >= expected_s - 0.002)  # never early
-    assert np.all(sent_s - expected_s < 0.05)  # and not far late
+    assert expected_s[-1] > 0.2  # the seeded schedule spreads the 20 arrivals out
+    assert result.metrics.completed == 20
+    starts_s = [o.start_s for o in result.outputs]
+    assert starts_s == sorted(starts_s)  # sent in the schedule's order
+    # Never early: the run cannot end before the last arrival's time plus its answer.
+    last = result.outputs[-1]
+    assert last.latency_s >= TTFT_SLEEP_S + ITL_SLEEP_S
+    assert result.metrics.duration_s >= expected_s[-1] + last.latency_s
     assert result.to_dict()["request_rate"] == 40.0
 
 
@@ -342,7 +358,8 @@ def test_cli_writes_result(server: tuple[FakeServer, str], tmp_path: Path) -> No
     assert outcome.exit_code == 0, outcome.output
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["completed"] == 3 and data["total_output_tokens"] == 9 and "p50_ttft_ms" in data
-    assert data["request_goodput"] is not None
+    # Every request is well inside ttft 5 s and tpot 1 s: all of them are good.
+    assert data["request_goodput"] == pytest.approx(data["request_throughput"]) and data["request_throughput"] > 0
     assert parse_goodput(["ttft:500,e2el:1e4"]) == {"ttft": 500.0, "e2el": 10000.0}
 
 
@@ -401,9 +418,8 @@ async def test_chat_endpoint(server: tuple[FakeServer, str]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not SMOL_TOKENIZER.exists(), reason="local SmolLM2 tokenizer not present")
-def test_prompts_with_real_tokenizer() -> None:
-    cfg = BenchConfig(tokenizer=str(SMOL_TOKENIZER), random_input_len=64, random_output_len=4, num_prompts=8)
+def test_prompts_with_real_tokenizer(smollm_source) -> None:
+    cfg = BenchConfig(tokenizer=str(smollm_source.path), random_input_len=64, random_output_len=4, num_prompts=8)
     requests = build_requests(cfg)
     assert all(isinstance(r.prompt, str) for r in requests)
     assert sum(r.prompt_len == 64 for r in requests) >= 6  # exact nearly always; recorded as sent
@@ -469,7 +485,8 @@ def test_concurrency_sweep_against_sim_server(sim_gateway: str, tmp_path: Path) 
         assert point["output_lens"] == [output_len] * num_prompts  # ignore_eos: every request runs to max_tokens
         assert point["total_output_tokens"] == num_prompts * output_len == row["total_output_tokens"]
         assert point["total_input_tokens"] == num_prompts * 8 and len(point["ttfts"]) == num_prompts
-        assert all(0 < t < 10 for t in point["ttfts"]) and all(len(gaps) <= output_len - 1 for gaps in point["itls"])
+        assert all(0 < t < point["duration"] for t in point["ttfts"])
+        assert all(len(gaps) <= output_len - 1 for gaps in point["itls"])
         assert row["output_throughput"] == pytest.approx(num_prompts * output_len / point["duration"])
         assert row["request_goodput"] == pytest.approx(row["request_throughput"])  # generous SLO: all good
         assert {"p50_ttft_ms", "p99_itl_ms", "mean_tpot_ms"} <= set(row) and "ttfts" not in row

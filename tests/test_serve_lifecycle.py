@@ -1,10 +1,12 @@
 """``inferq serve`` as a family of processes (serve, its worker, its embedded
-redis-server): SIGTERM and SIGINT stop all of them in order and let a request in
-flight finish; a SIGKILLed serve leaves no worker or redis-server behind
-(docs/operations.md, Signals). Real processes, the sim backend, Linux ``/proc``."""
+redis-server, its extra gateway processes with ``--gateway-workers``): SIGTERM and
+SIGINT stop all of them in order and let the requests in flight finish; a SIGKILLed
+serve leaves no child behind (docs/operations.md, Signals). Real processes, the sim
+backend, Linux ``/proc``."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -20,18 +22,22 @@ from pathlib import Path
 import httpx
 import pytest
 
-from shared.cli import SERVE_WORKER_EXIT_MARGIN_S
+from gateway.app import GATEWAY_ID_HEADER, GRACEFUL_SHUTDOWN_S
+from shared.cli import GATEWAY_EXIT_MARGIN_S, SERVE_WORKER_EXIT_MARGIN_S
 from tests import processes
+from tests.test_gateway_workers import gateway_ids
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300),
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PDEATHSIG is Linux")]
 MODEL = "SmolLM2-135M-Instruct"
 DRAIN_TIMEOUT_S = 2.0
-# uvicorn's graceful shutdown (gateway/app.py) and EmbeddedRedis.stop's SIGTERM wait, seconds.
-GATEWAY_SHUTDOWN_S = 5.0
+# EmbeddedRedis.stop's SIGTERM wait, seconds.
 REDIS_STOP_S = 5.0
 # A SIGKILLed serve: the kernel signals its children at once; this only bounds the wait.
 ORPHAN_EXIT_S = 10.0
+# Streams opened at most to reach every gateway process (the kernel picks one per
+# connection: all on one of two is a chance of 2^-15).
+MAX_STREAMS = 16
 
 
 def _stat(pid: int) -> tuple[str, int, int] | None:
@@ -75,15 +81,18 @@ class Serve:
     url: str
     log_path: Path
     family: dict[int, int]  # serve's descendants: pid -> start time
+    num_gateways: int  # --gateway-workers
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
 
 @pytest.fixture()
-def serve(tmp_path: Path, smollm_source) -> Iterator[Serve]:
-    """``inferq serve --backend sim`` in its own session, healthy; afterwards every
+def serve(request: pytest.FixtureRequest, tmp_path: Path, smollm_source) -> Iterator[Serve]:
+    """``inferq serve --backend sim --gateway-workers N`` (``N``: the fixture's param,
+    default 1) in its own session, every gateway process listening; afterwards every
     member of its family still running is SIGKILLed."""
+    num_gateways = getattr(request, "param", 1)
     port = processes.free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "serve.log"
@@ -93,17 +102,19 @@ def serve(tmp_path: Path, smollm_source) -> Iterator[Serve]:
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "shared.cli", "serve", "--backend", "sim", "--sim-step-time-ms", "10",
-             "--port", str(port), "--drain-timeout-s", str(DRAIN_TIMEOUT_S)],
+             "--port", str(port), "--drain-timeout-s", str(DRAIN_TIMEOUT_S), "--gateway-workers", str(num_gateways)],
             cwd=processes.ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     family: dict[int, int] = {}
     try:
         processes.wait_for_gateway(url, proc, timeout_s=240)
+        gateway_ids(url, num_gateways)
         family = _descendants(proc.pid)
         commands = list(_alive(family).values())
-        assert len(commands) == 2, commands
+        assert len(commands) == 2 + num_gateways - 1, commands
         assert sum("redis-server" in c for c in commands) == 1, commands
         assert sum("shared.cli worker" in c for c in commands) == 1, commands
-        yield Serve(proc, url, log_path, family)
+        assert sum("shared.cli gateway" in c for c in commands) == num_gateways - 1, commands
+        yield Serve(proc, url, log_path, family, num_gateways)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -115,37 +126,58 @@ def serve(tmp_path: Path, smollm_source) -> Iterator[Serve]:
             shutil.rmtree(found[1], ignore_errors=True)
 
 
-def _stream_and_signal(serve: Serve, sig: int, max_tokens: int) -> tuple[str | None, int]:
-    """Stream a completion and send ``sig`` to serve once its first token has arrived;
-    returns ``(finish_reason, completion_tokens)`` of the finished stream."""
+async def _streams_and_signal(serve: Serve, sig: int, max_tokens: int) -> list[tuple[str | None, int]]:
+    """Open streams, each on a connection of its own, until they reach every gateway
+    process of serve; send ``sig`` to serve once each stream has its first token; return
+    ``(finish_reason, completion_tokens)`` of each finished stream."""
     body = {"model": MODEL, "prompt": "Count from one to ten:", "max_tokens": max_tokens, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
-    finish, used, signalled = None, -1, False
-    with httpx.stream("POST", f"{serve.url}/v1/completions", json=body, timeout=120, trust_env=False) as resp:
-        assert resp.status_code == 200, resp.read()
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            assert "error" not in event, event
-            if event["choices"]:
-                finish = event["choices"][0]["finish_reason"] or finish
-                if not signalled:
-                    serve.proc.send_signal(sig)
-                    signalled = True
-            if event.get("usage"):
-                used = event["usage"]["completion_tokens"]
-    assert signalled
+    async with httpx.AsyncClient(timeout=120, trust_env=False) as client:
+        responses: list[httpx.Response] = []
+        try:
+            while len({r.headers[GATEWAY_ID_HEADER] for r in responses}) < serve.num_gateways:
+                assert len(responses) < MAX_STREAMS, "the kernel sent every connection to one gateway"
+                resp = await client.send(client.build_request("POST", f"{serve.url}/v1/completions", json=body),
+                                         stream=True)
+                responses.append(resp)
+                assert resp.status_code == 200, await resp.aread()
+            first_tokens = [asyncio.Event() for _ in responses]
+            tasks = [asyncio.create_task(_read_stream(resp, first)) for resp, first in zip(responses, first_tokens)]
+            await asyncio.gather(*[first.wait() for first in first_tokens])
+            serve.proc.send_signal(sig)
+            return await asyncio.gather(*tasks)
+        finally:
+            for resp in responses:
+                await resp.aclose()
+
+
+async def _read_stream(resp: httpx.Response, first_token: asyncio.Event) -> tuple[str | None, int]:
+    finish, used = None, -1
+    async for line in resp.aiter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        event = json.loads(line[6:])
+        assert "error" not in event, event
+        if event["choices"]:
+            finish = event["choices"][0]["finish_reason"] or finish
+            first_token.set()
+        if event.get("usage"):
+            used = event["usage"]["completion_tokens"]
     return finish, used
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize(("serve", "sig"), [(1, signal.SIGTERM), (1, signal.SIGINT), (2, signal.SIGTERM)],
+                         indirect=["serve"], ids=["SIGTERM", "SIGINT", "SIGTERM-2-gateways"])
 def test_stop_signal_drains_and_stops_the_family(serve: Serve, sig: int) -> None:
-    """The in-flight stream ends complete, the worker drains (exit 0), serve exits 0,
-    and none of its processes is left running."""
+    """The in-flight streams (on every gateway process) end complete, the worker drains
+    (exit 0), the gateway processes exit 0, serve exits 0, and none of its processes is
+    left running."""
     max_tokens = 40
-    assert _stream_and_signal(serve, sig, max_tokens) == ("length", max_tokens), serve.log()
-    bound_s = GATEWAY_SHUTDOWN_S + DRAIN_TIMEOUT_S + SERVE_WORKER_EXIT_MARGIN_S + REDIS_STOP_S
+    results = asyncio.run(_streams_and_signal(serve, sig, max_tokens))
+    assert results == [("length", max_tokens)] * len(results), serve.log()
+    # The gateway processes stop together; serve's own shutdown, then at most the margin.
+    gateways_s = GRACEFUL_SHUTDOWN_S + (GATEWAY_EXIT_MARGIN_S if serve.num_gateways > 1 else 0)
+    bound_s = gateways_s + DRAIN_TIMEOUT_S + SERVE_WORKER_EXIT_MARGIN_S + REDIS_STOP_S
     try:
         status = serve.proc.wait(timeout=bound_s)
     except subprocess.TimeoutExpired:
@@ -153,12 +185,14 @@ def test_stop_signal_drains_and_stops_the_family(serve: Serve, sig: int) -> None
     # serve reaps its children before it exits: nothing of the family may be left now.
     assert _alive(serve.family) == {}, serve.log()
     assert status == 0, serve.log()
-    assert "worker exited with status 0" in serve.log()  # drained, not killed
+    assert re.search(r"worker \d+ exited with status 0", serve.log())  # drained, not killed
+    assert len(re.findall(r"gateway \d+ exited with status 0", serve.log())) == serve.num_gateways - 1
 
 
+@pytest.mark.parametrize("serve", [1, 2], indirect=True, ids=["1-gateway", "2-gateways"])
 def test_sigkilled_serve_leaves_no_child(serve: Serve) -> None:
-    """SIGKILL gives serve no chance to clean up: the worker and the embedded Redis
-    exit by themselves (parent-death signal)."""
+    """SIGKILL gives serve no chance to clean up: the worker, the embedded Redis and
+    the other gateway processes exit by themselves (parent-death signal)."""
     serve.proc.kill()
     serve.proc.wait()
     deadline = time.monotonic() + ORPHAN_EXIT_S

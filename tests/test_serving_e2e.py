@@ -37,13 +37,6 @@ def stack(tmp_path_factory, smollm_source) -> Iterator[str]:
         server.close()
 
 
-@pytest.fixture(scope="module")
-def offline():
-    from worker.llm import LLM
-
-    return LLM(max_num_seqs=1)
-
-
 def test_chat_answer_names_paris_and_usage_matches(stack, offline, smollm_tokenizer) -> None:
     client = openai.OpenAI(base_url=f"{stack}/v1", api_key="none")
     resp = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=32, temperature=0)
@@ -73,28 +66,34 @@ def test_chat_stream_matches_non_stream(stack) -> None:
 def test_sixteen_concurrent_streams_equal_single_greedy(stack, offline) -> None:
     prompts = [f"Write one sentence about the number {i}." if i % 2 else f"Count from {i} to {i + 5}:"
                for i in range(16)]
-    params = SamplingParams(max_tokens=24, temperature=0.0)
+    # ignore_eos: every stream runs all its tokens (5 of these 16 prompts answer EOS at once,
+    # which would compare nothing). 16 tokens each keeps the single-request reference cheap.
+    num_tokens = 16
+    params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
     expected = [offline.generate([p], params)[0] for p in prompts]
 
-    async def one(client: openai.AsyncOpenAI, prompt: str) -> tuple[str, int]:
-        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True})
-        text, usage = "", 0
+    async def one(client: openai.AsyncOpenAI, prompt: str) -> tuple[str, int, list[str]]:
+        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=num_tokens, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})
+        text, usage, finish = "", 0, []
         async for chunk in stream:
             if chunk.choices:
                 text += chunk.choices[0].text
+                finish += [chunk.choices[0].finish_reason] if chunk.choices[0].finish_reason else []
             if chunk.usage:
                 usage = chunk.usage.completion_tokens
-        return text, usage
+        return text, usage, finish
 
-    async def all_of_them() -> list[tuple[str, int]]:
+    async def all_of_them() -> list[tuple[str, int, list[str]]]:
         async with openai.AsyncOpenAI(base_url=f"{stack}/v1", api_key="none", max_retries=0) as client:
             return await asyncio.gather(*(one(client, p) for p in prompts))
 
     results = asyncio.run(all_of_them())
-    for (text, n), exp in zip(results, expected, strict=True):
+    for (text, n, finish), exp in zip(results, expected, strict=True):
+        assert len(exp.token_ids) == num_tokens and exp.finish_reason == "length"
         assert text == exp.text
-        assert n == len(exp.token_ids)
+        assert (n, finish) == (num_tokens, ["length"])
 
 
 def test_bad_requests_get_openai_errors(stack) -> None:

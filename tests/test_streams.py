@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 
 from shared import protocol
 from shared.keys import CONSUMER_GROUP, STREAM_FIELD, Keys
-from shared.protocol import ErrorMessage, GenerateRequest, ReplyMessage, TokenMessage
+from shared.protocol import ErrorMessage, GenerateRequest, ReplyMessage, TokenBatch, TokenOutput
 from shared.sampling import SamplingParams
 from shared.settings import EngineSettings, ModelSettings
 from shared.streams import QueueDepth, finish_entry, pending_entries, queue_depth, read_depth
@@ -52,7 +52,7 @@ async def _next_message(pubsub: aioredis.client.PubSub, timeout_s: float = 10.0)
         item = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.5)
         if item is not None:
             message = protocol.decode(item["data"])
-            assert isinstance(message, (TokenMessage, ErrorMessage))
+            assert isinstance(message, (TokenBatch, ErrorMessage))
             return message
     raise AssertionError("nothing published in time")
 
@@ -110,15 +110,18 @@ def _request(request_id: str, max_tokens: int, deadline_s: float = 60.0) -> byte
         reply_channel=CHANNEL, deadline_unix_s=time.time() + deadline_s))
 
 
-async def _replies(pubsub: aioredis.client.PubSub, request_ids: set[str]) -> dict[str, list[ReplyMessage]]:
-    """Every reply until each of ``request_ids`` got its last message (an error or a finish)."""
-    out: dict[str, list[ReplyMessage]] = {r: [] for r in request_ids}
+async def _replies(pubsub: aioredis.client.PubSub, request_ids: set[str]
+                   ) -> dict[str, list[TokenOutput | ErrorMessage]]:
+    """Every reply (a token batch's entries, one by one) until each of ``request_ids`` got
+    its last one (an error or a finish)."""
+    out: dict[str, list[TokenOutput | ErrorMessage]] = {r: [] for r in request_ids}
     open_ids = set(request_ids)
     while open_ids:
         message = await _next_message(pubsub)
-        out[message.request_id].append(message)
-        if isinstance(message, ErrorMessage) or message.finish_reason is not None:
-            open_ids.discard(message.request_id)
+        for reply in message.outputs if isinstance(message, TokenBatch) else [message]:
+            out[reply.request_id].append(reply)
+            if isinstance(reply, ErrorMessage) or reply.finish_reason is not None:
+                open_ids.discard(reply.request_id)
     return out
 
 
@@ -145,7 +148,7 @@ async def test_worker_finishes_every_entry_on_tokens_504_and_engine_error(client
         assert isinstance(late, ErrorMessage) and late.status == 504
         for request_id, num_tokens in (("c", 3), ("d", 4)):
             tokens = later[request_id]
-            assert all(isinstance(m, TokenMessage) for m in tokens)
+            assert all(isinstance(m, TokenOutput) for m in tokens)
             assert [t for m in tokens for t in m.token_ids] == [5, 6, 7, 5][:num_tokens]
             assert tokens[-1].finish_reason == "length"
         for _ in range(100):  # the last publish (with its XACK + XDEL) runs after the step

@@ -51,9 +51,9 @@ def prompts(smollm_tokenizer) -> list[list[int]]:
                                                       tokenize=True)["input_ids"]) for t in TEXTS]
 
 
-def run_all(backend, max_steps: int = 500) -> dict[str, list[int]]:
-    """Step until idle; every (not resumed) request's output ids, checking that indices
-    are contiguous and nothing follows a finish."""
+def run_all(backend, max_steps: int = 500) -> dict[str, tuple[list[int], str]]:
+    """Step until idle; every (not resumed) request's output ids and finish reason,
+    checking that indices are contiguous and nothing follows a finish."""
     got: dict[str, list[int]] = {}
     finish: dict[str, str] = {}
     for _ in range(max_steps):
@@ -69,7 +69,7 @@ def run_all(backend, max_steps: int = 500) -> dict[str, list[int]]:
                 finish[out.request_id] = out.finish_reason
     assert not backend.has_unfinished_requests()
     assert set(finish) == set(got)
-    return got
+    return {rid: (ids, finish[rid]) for rid, ids in got.items()}
 
 
 def assert_idle(backend) -> None:
@@ -78,33 +78,46 @@ def assert_idle(backend) -> None:
     assert s.num_free_blocks == s.num_blocks
 
 
-def test_greedy_equals_inferq_engine(backend, prompts) -> None:
-    from worker.llm import LLM
+def test_greedy_equals_inferq_engine(backend, prompts, offline, smollm_source) -> None:
+    from shared.model_source import eos_token_ids
 
     assert len({len(p) for p in prompts}) == 6 and max(len(p) for p in prompts) > 150
     for i, p in enumerate(prompts):
         backend.add_request(f"g{i}", p, GREEDY)
     got = run_all(backend)
-    expected = LLM(max_num_seqs=8).generate(prompts, GREEDY)
+    expected = offline.generate(prompts, GREEDY)
+    eos = eos_token_ids(smollm_source.config)
     for i, exp in enumerate(expected):
-        assert got[f"g{i}"] == exp.token_ids, f"prompt {i} ({len(prompts[i])} tokens)"
-        assert len(exp.token_ids) == 24 or exp.finish_reason == "stop"
+        assert got[f"g{i}"] == (exp.token_ids, exp.finish_reason), f"prompt {i} ({len(prompts[i])} tokens)"
+        if exp.finish_reason == "length":
+            assert len(exp.token_ids) == GREEDY.max_tokens and not eos & set(exp.token_ids)
+        else:  # ends on the EOS token it stopped on, and on no earlier one
+            assert exp.finish_reason == "stop" and exp.token_ids[-1] in eos and not eos & set(exp.token_ids[:-1])
+    # Both ends are covered: a short chat answer stops on EOS, longer ones run to max_tokens.
+    assert {exp.finish_reason for exp in expected} == {"stop", "length"}
+    assert all(len(exp.token_ids) >= 8 for exp in expected), [len(exp.token_ids) for exp in expected]
     assert_idle(backend)
 
 
 def test_resumed_request_continues_after_delivered_tokens(backend, prompts) -> None:
     backend.add_request("whole", prompts[5], GREEDY)
-    whole = run_all(backend)["whole"]
+    whole, whole_finish = run_all(backend)["whole"]
     num_delivered = len(whole) // 2
     assert num_delivered >= 4
+    hits_before = backend.stats().prefix_cache_hits
     backend.add_request("resumed", prompts[5], GREEDY, output_token_ids=whole[:num_delivered])
     outs = []
     while backend.has_unfinished_requests():
         outs += backend.step()
     assert outs[0].first_index == num_delivered and outs[0].num_prompt_tokens == len(prompts[5])
     assert whole[:num_delivered] + [t for o in outs for t in o.new_token_ids] == whole
-    assert outs[-1].finish_reason == ("length" if len(whole) == 24 else "stop")
-    assert backend.stats().prefix_cache_hits >= 128  # the prompt's first block (128 tokens) was cached
+    assert outs[-1].finish_reason == whole_finish
+    # The resumed request found what "whole" left in the cache: every full 128-token block
+    # of its prompt (the prompt plus the delivered tokens), not counting the last token,
+    # which vLLM always computes.
+    num_full_blocks = (len(prompts[5]) + num_delivered - 1) // 128
+    assert num_full_blocks >= 1
+    assert backend.stats().prefix_cache_hits - hits_before == 128 * num_full_blocks
 
 
 def test_abort_frees_the_request_in_vllm(backend, prompts) -> None:

@@ -11,7 +11,6 @@ import pytest
 
 from tests import processes
 from tests.test_serving_e2e import (  # noqa: F401 - pytest collects these here, with this stack
-    offline,
     test_chat_answer_names_paris_and_usage_matches,
     test_chat_stream_matches_non_stream,
 )

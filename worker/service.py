@@ -6,9 +6,10 @@ Each turn of the loop:
    (``num_admittable``), blocking briefly only when the engine is idle;
 3. run one engine step on the engine thread (``worker/engine_thread.py``), off the
    event loop, while the previous step's outputs are published;
-4. start publishing this step's outputs: every request's new tokens in one pipeline,
-   XACK + XDEL the entries of finished requests in the same pipeline; requests whose
-   gateway is gone (PUBLISH reached 0 subscribers) are aborted at the next turn.
+4. start publishing this step's outputs: one ``TokenBatch`` per gateway (every request
+   of that gateway with new tokens) in one pipeline, XACK + XDEL the entries of finished
+   requests in the same pipeline; requests whose gateway is gone (PUBLISH reached 0
+   subscribers) are aborted at the next turn.
 A heartbeat task refreshes ``{ns}:worker:{id}`` with a TTL, carrying the engine's
 progress (``worker/progress.py``: a step that hangs makes the worker read as dead); a
 control task listens for aborts. On SIGTERM (``drain()``) the worker stops pulling, finishes what it holds, and
@@ -30,8 +31,8 @@ from redis.exceptions import RedisError, ResponseError
 from shared import protocol
 from shared.keys import CONSUMER_GROUP, HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, STREAM_FIELD, Keys
 from shared.liveness import live_workers
-from shared.protocol import AbortMessage, ErrorMessage, GenerateRequest, TokenMessage, WorkerStatus
-from shared.streams import NUM_FINISH_COMMANDS, add_finish, as_text, finish_entry
+from shared.protocol import AbortMessage, ErrorMessage, GenerateRequest, TokenBatch, TokenOutput, WorkerStatus
+from shared.streams import add_finish, as_text, finish_entry
 from worker.backends.base import EngineBackend, RequestOutput, RequestRejected
 from worker.engine_thread import EngineThread
 from worker.progress import StepClock
@@ -296,45 +297,48 @@ class Worker:
             del self.inflight[request_id]
 
     async def _publish(self, new_outputs: list[RequestOutput]) -> None:
-        """One pipeline: a PUBLISH per request with new tokens, XACK + XDEL per finished
-        one. Outputs that a Redis error kept from going out stay in ``_backlog`` and go
-        first next time, so a blip loses no tokens."""
+        """One pipeline: a PUBLISH of one ``TokenBatch`` per reply channel (every request
+        of that gateway with new tokens), then XACK + XDEL per finished request. Outputs
+        that a Redis error kept from going out stay in ``_backlog`` and go first next
+        time, so a blip loses no tokens; a batch that reached no subscriber (its gateway
+        is gone) has its unfinished requests aborted at the next turn."""
         outputs = self._backlog + new_outputs
         self._backlog = outputs
         if not outputs:
             return
-        sent: list[tuple[str, bool]] = []
+        batches: dict[str, list[TokenOutput]] = {}
+        finished: list[tuple[str, InFlight]] = []
+        for out in outputs:
+            info = self.inflight.get(out.request_id)
+            if info is None:
+                continue
+            batches.setdefault(info.reply_channel, []).append(TokenOutput(
+                request_id=out.request_id, attempt=info.attempt, first_index=out.first_index,
+                token_ids=out.new_token_ids, finish_reason=out.finish_reason,
+                num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens))
+            if out.finish_reason is not None:
+                finished.append((out.request_id, info))
         async with self.redis.pipeline(transaction=False) as pipe:
-            for out in outputs:
-                info = self.inflight.get(out.request_id)
-                if info is None:
-                    continue
-                message = TokenMessage(request_id=out.request_id, attempt=info.attempt, worker_id=self.worker_id,
-                                       first_index=out.first_index, token_ids=out.new_token_ids,
-                                       finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens,
-                                       num_cached_tokens=out.num_cached_tokens)
-                pipe.publish(info.reply_channel, protocol.encode(message))
-                finished = out.finish_reason is not None
-                sent.append((out.request_id, finished))
-                if finished:
-                    add_finish(pipe, self.stream, info.entry_id)
+            for channel, entries in batches.items():
+                pipe.publish(channel, protocol.encode(TokenBatch(worker_id=self.worker_id, outputs=entries)))
+            for _request_id, info in finished:
+                add_finish(pipe, self.stream, info.entry_id)
             # Per-command errors (XACK after a Redis restart lost the group: NOGROUP) must
             # not make the PUBLISHes go out again; a lost connection still raises here.
             results = await pipe.execute(raise_on_error=False)
         self._backlog = []
-        # Results come back in command order: a PUBLISH, then (for finished) XACK, XDEL.
-        pos = 0
-        for request_id, finished in sent:
-            receivers = results[pos]
-            pos += 1 + (NUM_FINISH_COMMANDS if finished else 0)
+        # Results come back in command order: the PUBLISHes, then XACK, XDEL per finish.
+        for (channel, entries), receivers in zip(batches.items(), results, strict=False):
             if isinstance(receivers, Exception):
-                log.warning("publish for %s failed: %s", request_id, receivers)
-                continue
-            if finished:
-                self.inflight.pop(request_id, None)
+                log.warning("publish to %s failed: %s", channel, receivers)
             elif receivers == 0:
-                log.info("gateway of %s is gone; aborting it", request_id)
-                self._aborts.add(request_id)
+                for entry in entries:
+                    if entry.finish_reason is None:
+                        log.info("gateway of %s is gone; aborting it", entry.request_id)
+                        self._aborts.add(entry.request_id)
+        for request_id, info in finished:
+            if self.inflight.get(request_id) is info:
+                del self.inflight[request_id]
 
     async def _apply_aborts(self) -> None:
         if not self._aborts:

@@ -1,4 +1,5 @@
 """CUDA graphs for decode steps: one graph per batch-size bucket, captured at start-up.
+Steps that carry prefill chunks replay the graphs of ``mixed_graphs.py`` instead.
 
 A decode step of a 7B model is ~350 kernel launches; at ~30 µs of host time each
 (see docs, H100 notes) an eager step costs ~10 ms whatever the GPU does. Replaying a
@@ -126,6 +127,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
         self.capture_time_s = 0.0
+        self.num_captures = 0  # graphs captured since start-up (the warm-up test reads it)
         self.num_replays = 0
 
     @property
@@ -138,15 +140,17 @@ class DecodeGraphs:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """(Re)capture every bucket, largest first, all in one memory pool. The inputs
-        are all padding during capture, so the KV cache is not touched."""
+    def capture(self, pool: tuple[int, int] | None = None) -> None:
+        """(Re)capture every bucket, largest first, all in memory pool ``pool`` (default:
+        a new one; the model runner shares one with the mixed-step graphs, which never
+        run at the same time). The inputs are all padding during capture, so the KV
+        cache is not touched."""
         t0 = time.perf_counter()
         self.graphs.clear()
         self.logits.clear()
         self.inputs.fill([], [], [], [], [])
         self.inputs.upload()
-        pool = torch.cuda.graph_pool_handle()
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up: Triton compiles, cuBLAS picks kernels
@@ -161,6 +165,7 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=pool):
                     self.logits[tier, b] = self._forward(b, tier)
                 self.graphs[tier, b] = graph
+                self.num_captures += 1
         torch.cuda.synchronize()
         self.capture_time_s = time.perf_counter() - t0
         log.info("captured %d decode CUDA graphs (batch %s x context %s) in %.1f s", len(self.graphs),

@@ -2,28 +2,32 @@
 
 How a batch changes form:
     scheduler: [(request, num_tokens), ...]                       (Python, CPU)
- -> flat lists: input_ids, positions, slot_mapping, query lens,
-    seq lens, block tables (padded), logits indices               (Python lists)
- -> two host-to-device copies (int64: ids | positions | slots | logits indices;
-    int32: block tables | query_start_loc | seq_lens), views of them  (tensors, model device)
+ -> packed by numpy into two pinned buffers (``mixed_graphs.StepInputs``): int64 ids |
+    positions | slots | logits indices; int32 block tables | query_start_loc | seq_lens
+ -> two host-to-device copies, views of them                      (tensors, model device)
  -> model forward over [num_tokens] -> hidden [num_tokens, H]
  -> hidden[logits_indices] -> logits [num_sampled, V] float32 -> sampler -> ids (one D2H copy)
 
-A step in which every sequence has one query token and samples (a decode step) runs
-instead as the replay of a CUDA graph (``cuda_graphs.py``) when the device is CUDA, the
-backend is Triton and ``enforce_eager`` is off. Nothing in a step waits on the device
-except the copy of the sampled ids.
+On CUDA with the Triton backend and ``enforce_eager`` off, no step runs eagerly: a step
+in which every sequence has one query token and samples (a decode step) replays a decode
+graph (``cuda_graphs.py``), and any other step (prefill chunks, alone or beside decode
+tokens) replays the mixed-step graph of its token-count bucket (``mixed_graphs.py``;
+``mixed_cuda_graphs`` off: eager). Every Triton kernel is compiled and every graph
+captured here, at start-up, so nothing compiles while requests wait. Nothing in a step
+waits on the device except the copy of the sampled ids.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 import torch
 
 from shared.settings import EngineSettings
 from worker.engine.cuda_graphs import DecodeGraphs
+from worker.engine.mixed_graphs import MixedGraphs, StepInputs
 from worker.engine.request import Request
 from worker.engine.sampler import Sampler
 from worker.engine.scheduler import ScheduledRequest
@@ -73,12 +77,12 @@ class DecodeLaunch:
 
 
 class ModelRunner:
-    """Owns the model, the KV cache tensors, the decode CUDA graphs and the sampler."""
+    """Owns the model, the KV cache tensors, the CUDA graphs and the sampler."""
 
     def __init__(self, model: LlamaForCausalLM, settings: EngineSettings, num_blocks: int, max_model_len: int,
                  dtype: torch.dtype, device: torch.device, seed: int = 0) -> None:
         """``max_model_len``: the longest sequence, tokens (``shared.model_source.max_model_len``;
-        the model's rotary table covers it), which sizes the decode graphs' block tables."""
+        the model's rotary table covers it), which sizes the graphs' block tables."""
         self.model = model
         self.cfg = model.config
         self.device = device
@@ -90,60 +94,52 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         self.max_model_len = max_model_len
         self.graphs: DecodeGraphs | None = None
+        self.mixed: MixedGraphs | None = None
+        self.num_eager_steps = 0  # steps run outside the graphs (all of them on CPU)
+        self.capture_time_s = 0.0  # start-up: graph captures and warm-up, seconds
+        self.graph_memory_bytes = 0  # device memory the graphs and warm-up kept
         if device.type == "cuda" and not settings.enforce_eager and self.backend.name == "triton":
-            max_blocks = -(-self.max_model_len // self.block_size)
-            self.graphs = DecodeGraphs(model, self.kv_caches, self.backend, settings.max_num_seqs, max_blocks,
-                                       self.max_model_len, device)
-            self.graphs.capture()
-        log.info("model runner: %d KV blocks of %d tokens, %s attention, %s on %s, CUDA graphs %s",
-                 num_blocks, self.block_size, self.backend.name, dtype, device,
-                 self.graphs.buckets if self.graphs else "off")
+            self._capture(settings)
+        log.info("model runner: %d KV blocks of %d tokens, %s attention, %s on %s, decode graphs %s, "
+                 "mixed-step graphs %s", num_blocks, self.block_size, self.backend.name, dtype, device,
+                 self.graphs.buckets if self.graphs else "off", self.mixed.buckets if self.mixed else "off")
 
-    def _to_device(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
-        t = torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda")
-        return t.to(self.device, non_blocking=True)
+    def _capture(self, settings: EngineSettings) -> None:
+        """Capture the mixed-step graphs (largest activations first) and the decode
+        graphs into one memory pool, then warm the sampler up, and log the time and the
+        memory the graphs took."""
+        t0 = time.perf_counter()
+        torch.cuda.empty_cache()  # so that free memory counts only what the graphs keep
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        max_blocks = -(-self.max_model_len // self.block_size)
+        pool = torch.cuda.graph_pool_handle()
+        if settings.mixed_cuda_graphs:
+            self.mixed = MixedGraphs(self.model, self.kv_caches, self.backend, settings.max_num_seqs,
+                                     settings.max_num_batched_tokens, max_blocks, self.max_model_len,
+                                     self.block_size, self.device)
+            self.mixed.capture(pool)
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, settings.max_num_seqs, max_blocks,
+                                   self.max_model_len, self.device)
+        self.graphs.capture(pool)
+        self.sampler.warm_up(settings.max_num_seqs, self.cfg.vocab_size)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # the eager warm-up passes' blocks, cached for the side stream
+        self.capture_time_s = time.perf_counter() - t0
+        self.graph_memory_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
+        log.info("CUDA graphs and warm-up: %.1f s, %.2f GiB of device memory", self.capture_time_s,
+                 self.graph_memory_bytes / 2**30)
 
     def prepare(self, batch: Sequence[ScheduledRequest]
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Flatten a step into ``(input_ids, positions, metadata, logits_indices)``."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        q_lens: list[int] = []
-        s_lens: list[int] = []
-        logits_indices: list[int] = []
-        bs = self.block_size
-        for item in batch:
-            req, start = item.request, item.request.num_computed_tokens
-            end = start + item.num_tokens
-            input_ids.extend(req.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(slot(req.block_table, p, bs) for p in range(start, end))
-            q_lens.append(item.num_tokens)
-            s_lens.append(end)
-            if item.samples:
-                logits_indices.append(len(input_ids) - 1)
-        num_tokens, num_seqs = len(input_ids), len(batch)
+        """Flatten a step into ``(input_ids, positions, metadata, logits_indices)``, in
+        buffers sized exactly for it (the eager path)."""
         max_blocks = max(len(item.request.block_table) for item in batch)
-        ints32 = [b for item in batch for b in item.request.block_table + [0] * (max_blocks - len(item.request.block_table))]
-        qsl = [0]
-        for n in q_lens:
-            qsl.append(qsl[-1] + n)
-        d64 = self._to_device(input_ids + positions + slots + logits_indices, torch.int64)
-        d32 = self._to_device(ints32 + qsl + s_lens, torch.int32)
-        nbt = num_seqs * max_blocks
-        meta = AttentionMetadata(
-            slot_mapping=d64[2 * num_tokens:3 * num_tokens],
-            block_tables=d32[:nbt].view(num_seqs, max_blocks),
-            query_start_loc=d32[nbt:nbt + num_seqs + 1],
-            seq_lens=d32[nbt + num_seqs + 1:],
-            max_query_len=max(q_lens),
-            max_seq_len=max(s_lens),
-            query_lens_cpu=q_lens,
-            seq_lens_cpu=s_lens,
-            has_padding=False,
-        )
-        return d64[:num_tokens], d64[num_tokens:2 * num_tokens], meta, d64[3 * num_tokens:]
+        num_tokens = sum(item.num_tokens for item in batch)
+        inputs = StepInputs(num_tokens, len(batch), max_blocks, self.block_size, self.device)
+        shape = inputs.fill(batch)
+        inputs.upload()
+        return inputs.views(num_tokens, len(batch), shape.num_sampled, shape.max_query_len, shape.max_seq_len,
+                            shape)
 
     def _decode_logits(self, requests: Sequence[Request], positions: Sequence[int],
                        input_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -197,13 +193,18 @@ class ModelRunner:
         """Run one step. Returns, per scheduled request, its sampled token or ``None``
         (a partial prefill chunk samples nothing)."""
         sampled_items = [item for item in batch if item.samples]
+        logits: torch.Tensor | None = None
         if self.can_launch_decode(len(batch)) and all(item.num_tokens == 1 and item.samples for item in batch):
             requests = [item.request for item in batch]
-            logits: torch.Tensor | None = self._decode_logits(requests, *decode_inputs(requests))
+            logits = self._decode_logits(requests, *decode_inputs(requests))
+        elif self.mixed is not None and self.mixed.fits(sum(item.num_tokens for item in batch), len(batch)):
+            rows = self.mixed.run(batch)
+            if sampled_items:
+                logits = self.model.compute_logits(rows)
         else:
+            self.num_eager_steps += 1
             input_ids, positions, meta, logits_indices = self.prepare(batch)
             hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
-            logits = None
             if sampled_items:
                 if len(sampled_items) < hidden.shape[0]:
                     hidden = hidden.index_select(0, logits_indices)

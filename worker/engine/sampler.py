@@ -1,8 +1,11 @@
 """Token sampling on the model's device: greedy, temperature, top-k, top-p, min-p,
 per-request seeds, and repetition/presence/frequency penalties.
 
-One step samples every row in a few batched tensor ops; the only host work is one
-copy of the sampled ids. Sampling draws ``argmax(p / E)`` with ``E ~ Exp(1)`` per
+One step samples every row in a few batched tensor ops and never waits on the device:
+per-row parameters and token histories reach it through pinned, non-blocking copies
+(``torch.tensor(..., device="cuda")`` would wait for the whole queued step), penalties
+scatter into ``[n, vocab]`` masks instead of ``unique``/``bincount`` (whose output sizes
+need the host), and the only synchronisation is the caller's copy of the sampled ids. Sampling draws ``argmax(p / E)`` with ``E ~ Exp(1)`` per
 token, which picks token ``i`` with probability ``p_i`` (the exponential race / Gumbel
 trick) and lets a seeded request draw its own noise row from its own generator.
 
@@ -32,6 +35,28 @@ class Sampler:
         """Drop a finished request's generator."""
         self._seeded.pop(request_id, None)
 
+    def warm_up(self, num_rows: int, vocab_size: int) -> None:
+        """Run every sampling path once on ``[num_rows, vocab_size]`` random logits, so
+        that the first requests do not pay for loading its kernels. Leaves the global
+        generator's state as it was."""
+        state = self._generator.get_state()
+        logits = torch.randn(num_rows, vocab_size, device=self.device)
+        kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05),
+                 SamplingParams(temperature=1.0, seed=1, repetition_penalty=1.1, presence_penalty=0.5,
+                                frequency_penalty=0.5)]
+        params = [kinds[i % len(kinds)] for i in range(num_rows)]
+        ids = [f"warm-up-{i}" for i in range(num_rows)]
+        self.sample(logits[:1].clone(), ids[:1], params[:1], [[1, 2]], [1])  # the all-greedy path
+        self.sample(logits, ids, params, [[1, 2, 2]] * num_rows, [1] * num_rows)
+        for rid in ids:
+            self.free(rid)
+        self._generator.set_state(state)
+
+    def _to_device(self, values: Sequence[float] | Sequence[int] | Sequence[bool], dtype: torch.dtype) -> torch.Tensor:
+        """A small host list on the device, copied without waiting for the queued work."""
+        t = torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda")
+        return t.to(self.device, non_blocking=True)
+
     def __call__(self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams],
                  token_ids: Sequence[Sequence[int]], num_prompt_tokens: Sequence[int]) -> list[int]:
         """``sample`` and fetch the ids to the host (the step's one synchronisation)."""
@@ -57,15 +82,15 @@ class Sampler:
 
         n = logits.shape[0]
         dev = logits.device
-        greedy = torch.tensor([p.greedy for p in params], device=dev)
-        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=dev)
+        greedy = self._to_device([p.greedy for p in params], torch.bool)
+        temps = self._to_device([p.temperature if not p.greedy else 1.0 for p in params], torch.float32)
         argmax = logits.argmax(dim=-1)
         logits.div_(temps.unsqueeze(1))
         if any(p.top_k > 0 for p in params) or any(p.top_p < 1.0 for p in params):
             self._top_k_top_p(logits, params)
         probs = torch.softmax(logits, dim=-1)
         if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=dev)
+            min_p = self._to_device([p.min_p for p in params], torch.float32)
             probs.masked_fill_(probs < min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True), 0.0)
         noise = _exponential(probs.shape, self._generator, dev)
         for row, (rid, p) in enumerate(zip(request_ids, params)):
@@ -79,12 +104,11 @@ class Sampler:
         assert out.shape == (n,)
         return out
 
-    @staticmethod
-    def _top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    def _top_k_top_p(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
         """Mask (to -inf) tokens outside each row's top-k and top-p nucleus."""
         dev, vocab = logits.device, logits.shape[1]
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
-        top_p = torch.tensor([p.top_p for p in params], device=dev)
+        top_k = self._to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64)
+        top_p = self._to_device([p.top_p for p in params], torch.float32)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=dev).unsqueeze(0)
         drop = ranks >= top_k.unsqueeze(1)
@@ -97,19 +121,36 @@ class Sampler:
 
     def _apply_penalties(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                          token_ids: Sequence[Sequence[int]], num_prompt_tokens: Sequence[int]) -> None:
-        dev, vocab = logits.device, logits.shape[1]
+        """Repetition penalty on every token seen in the prompt or output, then
+        ``frequency * count + presence * (count > 0)`` subtracted for output tokens, for
+        the rows that ask; in place, without a host sync (see the module docstring)."""
+        n, vocab = logits.shape
+        seen: list[int] = []  # flat row * vocab + token
+        counted: list[int] = []
+        repetition, presence, frequency = [1.0] * n, [0.0] * n, [0.0] * n
         for row, p in enumerate(params):
             if not p.needs_penalties:
                 continue
-            tokens = torch.tensor(token_ids[row], device=dev, dtype=torch.long)
-            if p.repetition_penalty != 1.0 and tokens.numel():
-                seen = torch.unique(tokens)
-                vals = logits[row, seen]
-                logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-            out = tokens[num_prompt_tokens[row]:]
-            if out.numel() and (p.presence_penalty or p.frequency_penalty):
-                counts = torch.bincount(out, minlength=vocab).to(logits.dtype)
-                logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+            base = row * vocab
+            if p.repetition_penalty != 1.0:
+                repetition[row] = p.repetition_penalty
+                seen.extend(base + t for t in token_ids[row])
+            if p.presence_penalty or p.frequency_penalty:
+                presence[row], frequency[row] = p.presence_penalty, p.frequency_penalty
+                counted.extend(base + t for t in token_ids[row][num_prompt_tokens[row]:])
+        if seen:
+            mask = torch.zeros(n * vocab, dtype=torch.bool, device=logits.device)
+            mask.index_fill_(0, self._to_device(seen, torch.int64), True)
+            pen = self._to_device(repetition, torch.float32).unsqueeze(1)
+            penalised = torch.where(logits > 0, logits / pen, logits * pen)
+            logits.copy_(torch.where(mask.view(n, vocab), penalised, logits))
+        if counted:
+            idx = self._to_device(counted, torch.int64)
+            counts = torch.zeros(n * vocab, dtype=logits.dtype, device=logits.device)
+            counts.index_add_(0, idx, torch.ones(idx.shape, dtype=logits.dtype, device=logits.device))
+            counts = counts.view(n, vocab)
+            logits -= (self._to_device(frequency, torch.float32).unsqueeze(1) * counts
+                       + self._to_device(presence, torch.float32).unsqueeze(1) * (counts > 0).to(logits.dtype))
 
 
 def _exponential(shape: torch.Size, generator: torch.Generator, device: torch.device) -> torch.Tensor:

@@ -151,7 +151,11 @@ class Scheduler:
                 bm.allocate_prefix(request, bm.find_cached_prefix(request))
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not bm.can_allocate(request, num_new):
-                if not self.running and request.num_computed_tokens == 0 and bm.num_free_blocks == bm.num_blocks:
+                # A waiting request holds no blocks: the cached prefix it was just given
+                # goes back (it stays cached), or two waiting requests could hold every
+                # block with nothing running, and every later step would be empty.
+                self._release(request)
+                if not self.running and bm.num_free_blocks == bm.num_blocks:
                     raise RuntimeError(f"request {request.request_id} needs more KV blocks than exist")
                 break
             bm.allocate(request, num_new)
@@ -197,13 +201,14 @@ class Scheduler:
     # -- async scheduling: a decode step behind one still in flight -----------------
     def can_schedule_next_decode(self, out: SchedulerOutput) -> bool:
         """True when the step after ``out``, whose sampled tokens are not applied yet,
-        is one more decode token for the same requests: nothing waits to be admitted,
-        none of them finished, was aborted or will reach ``max_tokens`` with the token
+        is one more decode token for the same requests: nothing waits to be admitted (or
+        no sequence slot is free to admit it: ``max_num_seqs`` are running), none of
+        them finished, was aborted or will reach ``max_tokens`` with the token
         in flight, and the KV cache has blocks for two more positions each (the
         in-flight token's and the next one's). ``max_tokens`` also keeps them within
         ``max_model_len``: ``check_request`` admits no prompt + ``max_tokens`` above it."""
         requests = [item.request for item in out.scheduled]
-        if self.waiting or len(requests) != len(self.running):
+        if (self.waiting and len(self.running) < self.max_num_seqs) or len(requests) != len(self.running):
             return False
         if any(r.status != RequestStatus.RUNNING or r.num_output_tokens + 1 >= r.sampling.max_tokens
                for r in requests):
@@ -236,12 +241,17 @@ class Scheduler:
     # -- internals ----------------------------------------------------------------
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.block_manager.free(request)
-        request.num_computed_tokens = 0
+        self._release(request)
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
         self.num_preemptions += 1
+
+    def _release(self, request: Request) -> None:
+        """Free a waiting request's blocks; it recomputes (or re-finds cached) from 0."""
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.num_cached_tokens = 0
 
     def _finish(self, request: Request) -> None:
         self.block_manager.free(request)

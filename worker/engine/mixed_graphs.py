@@ -1,0 +1,272 @@
+"""Step inputs packed for the device, and CUDA graphs of whole mixed steps (prefill
+chunks beside decode tokens), one per token-count bucket, captured at start-up.
+
+Why whole-step graphs are possible: the Triton attention kernel
+(``kernels/paged_attention.py``) finds each program's sequence on the device from
+``query_start_loc``, so its grid depends only on ``num_tokens``, ``num_seqs`` and two host
+hints (``max_query_len`` picks tiles, ``max_seq_len`` the split count). With
+``num_tokens`` padded to a bucket, ``num_seqs`` padded to ``max_num_seqs`` and the hints
+fixed, every step of up to a bucket's tokens has one launch sequence: attention stays
+inside the graph (vLLM v1 needs piecewise graphs with attention outside them because its
+attention kernels plan on the host). Padding tokens lie past ``query_start_loc[-1]`` with
+slot -1 (no KV write); padding sequences have query length 0 and ``seq_len`` 0; the
+kernels skip both. The hints: ``max_query_len`` = the bucket (no step of the bucket can
+exceed it); ``max_seq_len`` = ``max_model_len``: with ``max_query_len > 1`` the kernel
+never splits KV, and the hint only picks the tile of the decode-token launch when
+``max_num_seqs * num_kv_heads`` is below the SM count (speed, not correctness), so one
+context tier suffices.
+
+A graph ends with the hidden rows of the sampled tokens gathered into one buffer
+``[max_num_seqs, hidden]`` shared by every bucket; the LM head runs outside the graph on
+the real rows only (two launches), which spares a ``[max_num_seqs, vocab]`` float32
+output per bucket (156 MB each for Qwen2.5-7B at 256 sequences).
+
+``StepInputs`` is also the eager path's packing (``ModelRunner.prepare``): one layout,
+sized exactly for the step there and to the largest bucket here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+import torch
+
+from worker.engine.scheduler import ScheduledRequest
+from worker.models.attention import AttentionBackend, AttentionMetadata
+from worker.models.llama import KVCache, LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+#: Up to this many tokens a 7B step is bound by reading the weights (H100: ~800 bf16
+#: TFLOP/s over ~3 TB/s is ~260 rows), so padding costs little and buckets are coarse.
+_COARSE_BUCKETS = (16, 32, 64, 128, 192, 256)
+#: Above it, buckets per doubling of the token count: padding wastes at most 1/8.
+_BUCKETS_PER_OCTAVE = 8
+
+
+def token_buckets(max_num_batched_tokens: int) -> list[int]:
+    """Padded token counts of the mixed graphs: 16, 32, 64, 128, 192, 256, then eight
+    per doubling (288, 320, ..., 512, 576, ..., 1024, 1152, ...), up to and including
+    ``max_num_batched_tokens``."""
+    sizes = [s for s in _COARSE_BUCKETS if s < max_num_batched_tokens]
+    size = _COARSE_BUCKETS[-1]
+    while size < max_num_batched_tokens:
+        octave = 1 << (size.bit_length() - 1)
+        size += octave // _BUCKETS_PER_OCTAVE
+        if size < max_num_batched_tokens:
+            sizes.append(size)
+    return sizes + [max_num_batched_tokens]
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """The real extent of a packed step and the host-side facts its metadata needs."""
+
+    num_tokens: int
+    num_seqs: int
+    num_sampled: int
+    max_query_len: int
+    max_seq_len: int
+    query_lens: list[int]
+    seq_lens: list[int]
+
+
+class StepInputs:
+    """A step's inputs packed into two buffers: a pinned host copy filled by numpy and
+    the device copy the model reads; ``upload()`` is the step's two host-to-device copies
+    (on CPU the host buffers are the device buffers).
+
+    Layout, for capacities of ``T`` tokens, ``S`` sequences, ``B`` blocks per sequence:
+        int64: input_ids [T] | positions [T] | slot_mapping [T] | logits_indices [S]
+        int32: block_tables [S, B] | query_start_loc [S + 1] | seq_lens [S]
+    ``fill`` writes a step of at most ``T`` tokens and ``S`` sequences; ``views(t, s)``
+    gives its first ``t`` tokens and ``s`` sequences. Rows past the step are padding: slot
+    -1, query length 0, ``seq_len`` 0, logits index 0. Block-table entries past a
+    sequence's blocks are stale (never read).
+    """
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, block_size: int,
+                 device: torch.device) -> None:
+        self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
+        self.block_size = block_size
+        on_cuda = device.type == "cuda"
+        n64 = 3 * max_tokens + max_seqs
+        n32 = max_seqs * max_blocks + 2 * max_seqs + 1
+        self.host64 = torch.zeros(n64, dtype=torch.int64, pin_memory=on_cuda)
+        self.host32 = torch.zeros(n32, dtype=torch.int32, pin_memory=on_cuda)
+        self.dev64 = torch.zeros(n64, dtype=torch.int64, device=device) if on_cuda else self.host64
+        self.dev32 = torch.zeros(n32, dtype=torch.int32, device=device) if on_cuda else self.host32
+        self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()
+        T, S, B = max_tokens, max_seqs, max_blocks
+        self._ids, self._pos, self._slots, self._logits_idx = (self.np64[:T], self.np64[T:2 * T],
+                                                               self.np64[2 * T:3 * T], self.np64[3 * T:])
+        self._tables = self.np32[:S * B].reshape(S, B)
+        self._qsl = self.np32[S * B:S * B + S + 1]
+        self._seq_lens = self.np32[S * B + S + 1:]
+        # A copy may still be reading the pinned buffers when the next step refills them
+        # (a step that samples nothing does not synchronise); fill waits for it first.
+        self._uploaded = torch.cuda.Event() if on_cuda else None
+
+    def fill(self, batch: Sequence[ScheduledRequest], pad_tokens_to: int = 0) -> StepShape:
+        """Pack a step: each request's tokens ``[num_computed_tokens, + num_tokens)``, their
+        positions and KV slots (``block_table[p // block_size] * block_size + p %
+        block_size``), the sequences' block tables, cumulative query lengths, context
+        lengths after the step, and the flat index of each sampled token's hidden row.
+        Token rows ``[num_tokens, pad_tokens_to)`` get slot -1; sequence rows past the
+        batch are padding (see the class docstring).
+
+        Raises:
+            ValueError: more tokens, sequences or blocks than the buffers hold.
+        """
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+        q_lens = [item.num_tokens for item in batch]
+        starts = [item.request.num_computed_tokens for item in batch]
+        n, num_tokens = len(batch), sum(q_lens)
+        if n > self.max_seqs or max(num_tokens, pad_tokens_to) > self.max_tokens:
+            raise ValueError(f"a step of {num_tokens} tokens and {n} sequences does not fit buffers of "
+                             f"{self.max_tokens} tokens and {self.max_seqs} sequences")
+        self._ids[:num_tokens] = list(chain.from_iterable(
+            item.request.token_ids[s:s + q] for item, s, q in zip(batch, starts, q_lens)))
+        tables = self._tables
+        for i, item in enumerate(batch):
+            row = item.request.block_table
+            if len(row) > self.max_blocks:
+                raise ValueError(f"a block table of {len(row)} blocks does not fit {self.max_blocks}")
+            tables[i, :len(row)] = row
+        qsl = self._qsl
+        qsl[0] = 0
+        np.cumsum(q_lens, out=qsl[1:n + 1])
+        qsl[n + 1:] = num_tokens
+        s_lens = [s + q for s, q in zip(starts, q_lens)]
+        self._seq_lens[:n] = s_lens
+        self._seq_lens[n:] = 0
+        # Per token: its sequence and position, then its slot.
+        tok_seq = np.repeat(np.arange(n), q_lens)
+        offset = np.asarray(starts, dtype=np.int64) - qsl[:n]  # position - flat index, per sequence
+        pos = self._pos[:num_tokens]
+        np.add(np.arange(num_tokens), offset[tok_seq], out=pos)
+        bs = self.block_size
+        self._slots[:num_tokens] = tables[tok_seq, pos // bs].astype(np.int64) * bs + pos % bs
+        self._slots[num_tokens:max(num_tokens, pad_tokens_to)] = -1
+        sampled = [end - 1 for item, end in zip(batch, qsl[1:n + 1].tolist()) if item.samples]
+        self._logits_idx[:len(sampled)] = sampled
+        self._logits_idx[len(sampled):] = 0
+        return StepShape(num_tokens, n, len(sampled), max(q_lens, default=0), max(s_lens, default=0), q_lens, s_lens)
+
+    def upload(self) -> None:
+        """Enqueue the two host-to-device copies (nothing to do on CPU)."""
+        if self._uploaded is None:
+            return
+        self.dev64.copy_(self.host64, non_blocking=True)
+        self.dev32.copy_(self.host32, non_blocking=True)
+        self._uploaded.record()
+
+    def views(self, num_tokens: int, num_seqs: int, num_sampled: int, max_query_len: int, max_seq_len: int,
+              shape: StepShape | None = None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """``(input_ids [t], positions [t], metadata of s sequences, logits_indices [k])``
+        for ``t = num_tokens``, ``s = num_seqs``, ``k = num_sampled``, on the device, with
+        the hints ``max_query_len`` and ``max_seq_len``. ``shape``: the step is exactly
+        what ``fill`` returned (no padding), so the host lengths go into the metadata."""
+        T, S, B = self.max_tokens, self.max_seqs, self.max_blocks
+        d64, d32 = self.dev64, self.dev32
+        meta = AttentionMetadata(
+            slot_mapping=d64[2 * T:2 * T + num_tokens],
+            block_tables=d32[:S * B].view(S, B)[:num_seqs],
+            query_start_loc=d32[S * B:S * B + num_seqs + 1],
+            seq_lens=d32[S * B + S + 1:S * B + S + 1 + num_seqs],
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            query_lens_cpu=shape.query_lens if shape is not None else None,
+            seq_lens_cpu=shape.seq_lens if shape is not None else None,
+            has_padding=shape is None,
+        )
+        return d64[:num_tokens], d64[T:T + num_tokens], meta, d64[3 * T:3 * T + num_sampled]
+
+
+class MixedGraphs:
+    """Captured graphs of whole steps, one per token-count bucket (``token_buckets``),
+    every one padded to ``max_num_seqs`` sequences; ``run(batch)`` packs a step, replays
+    the smallest bucket that holds its tokens, and returns the hidden rows of its sampled
+    tokens. Attributes ``num_captures`` and ``num_replays`` count graph captures and
+    replays (the start-up warm-up test reads them)."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], backend: AttentionBackend,
+                 max_num_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int, max_seq_len: int,
+                 block_size: int, device: torch.device) -> None:
+        self.model, self.kv_caches, self.backend = model, kv_caches, backend
+        self.max_num_seqs, self.max_seq_len = max_num_seqs, max_seq_len
+        self.buckets = token_buckets(max_num_batched_tokens)
+        self.inputs = StepInputs(self.buckets[-1], max_num_seqs, max_blocks_per_seq, block_size, device)
+        # The graphs' output: hidden rows of the sampled tokens. Outside the graph pool, so
+        # that every bucket writes the same buffer and nothing else reuses it.
+        self.rows = torch.empty(max_num_seqs, model.config.hidden_size,
+                                dtype=model.embed_tokens.weight.dtype, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.capture_time_s = 0.0
+        self.num_captures = 0
+        self.num_replays = 0
+
+    @property
+    def max_num_tokens(self) -> int:
+        return self.buckets[-1]
+
+    def fits(self, num_tokens: int, num_seqs: int) -> bool:
+        """True when a step of this size can replay a bucket."""
+        return num_tokens <= self.max_num_tokens and num_seqs <= self.max_num_seqs
+
+    def forward(self, bucket: int) -> None:
+        """One padded step of ``bucket`` tokens over the current inputs (eager; what a
+        graph captures): ``rows`` <- hidden rows at ``logits_indices``."""
+        ids, pos, meta, idx = self.inputs.views(bucket, self.max_num_seqs, self.max_num_seqs,
+                                                max_query_len=bucket, max_seq_len=self.max_seq_len)
+        hidden = self.model(ids, pos, self.kv_caches, meta, self.backend)
+        torch.index_select(hidden, 0, idx, out=self.rows)
+
+    @torch.inference_mode()
+    def capture(self, pool: tuple[int, int] | None = None) -> None:
+        """(Re)capture every bucket, largest first, in ``pool`` (default: a new one). The
+        inputs are all padding, so the KV cache is not touched."""
+        t0 = time.perf_counter()
+        self.graphs.clear()
+        self.inputs.fill([], pad_tokens_to=self.max_num_tokens)
+        self.inputs.upload()
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up: Triton compiles, cuBLAS picks kernels
+            for b in self.buckets:
+                self.forward(b)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        for b in reversed(self.buckets):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.forward(b)
+            self.graphs[b] = graph
+            self.num_captures += 1
+        torch.cuda.synchronize()
+        self.capture_time_s = time.perf_counter() - t0
+        log.info("captured %d mixed-step CUDA graphs (tokens %s, %d sequences) in %.1f s", len(self.graphs),
+                 self.buckets, self.max_num_seqs, self.capture_time_s)
+
+    def run(self, batch: Sequence[ScheduledRequest]) -> torch.Tensor:
+        """Pack and upload ``batch`` (check ``fits`` first), replay the smallest bucket
+        that holds its tokens, without waiting for the GPU.
+
+        Returns:
+            ``[num_sampled, hidden_size]`` hidden rows of the sampled tokens, in batch
+            order (a view of the shared output buffer, valid until the next replay).
+        """
+        num_tokens = sum(item.num_tokens for item in batch)
+        bucket = next(b for b in self.buckets if b >= num_tokens)
+        shape = self.inputs.fill(batch, pad_tokens_to=bucket)
+        self.inputs.upload()
+        self.graphs[bucket].replay()
+        self.num_replays += 1
+        return self.rows[:shape.num_sampled]
