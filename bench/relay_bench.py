@@ -23,6 +23,8 @@ scheduling. (Across hosts this needs a ``sent_unix_s`` field on ``TokenBatch``.)
 
 Usage: ``python -m bench.relay_bench`` (run) or ``python -m bench.relay_bench worker ...``
 (one sim worker; the run starts these itself). Results: JSON + a table.
+``python -m bench.relay_bench inline`` measures the gateway's own pass over token batches
+(decode, order, detokenize, deliver, SSE-encode) in process, without HTTP or Redis.
 """
 
 from __future__ import annotations
@@ -340,6 +342,60 @@ def print_table(result: dict[str, Any]) -> None:
             print(f"{name} failures: {p['failures']}")
 
 
+# -- the relay's own pass, in process ---------------------------------------------------------
+def inline_main(args: argparse.Namespace) -> dict[str, Any]:
+    """CPU per token of the gateway's work on a token batch without HTTP or Redis:
+    ``Relay.dispatch`` of ``--num-steps`` batches of ``--batch-size`` entries (decode, the
+    record's ordering, ``DecodeStream``, stop strings, delivery) for requests with no stop
+    string and with one, then the SSE encoding of every step."""
+    import redis.asyncio as aioredis
+    from transformers import AutoTokenizer
+
+    from gateway.generation import Generation
+    from gateway.output import OutputProcessor
+    from gateway.relay import Relay
+    from gateway.responses import ResponseShape
+    from shared import protocol
+    from shared.model_source import resolve_model
+    from shared.protocol import TokenBatch, TokenOutput
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(MODEL).path))
+    words = word_token_ids(tokenizer)
+    num_tokens = args.batch_size * args.num_steps
+
+    async def one(stops: list[str]) -> dict[str, float]:
+        relay = Relay(aioredis.Redis(unix_socket_path="/nonexistent"), "bench")  # never connects
+        gens = []
+        for i in range(args.batch_size):
+            processor = OutputProcessor(tokenizer, words[:8], stops, {tokenizer.eos_token_id})
+            gen = Generation(request_id=f"r{i}", processor=processor, arrival_s=0.0, deadline_s=1e9,
+                             on_close=lambda g: None)
+            relay.register(gen)
+            gens.append(gen)
+        payloads = [protocol.encode(TokenBatch(worker_id="w", outputs=[
+            TokenOutput(request_id=f"r{i}", attempt=0, first_index=t, token_ids=[words[(i + t) % len(words)]])
+            for i in range(args.batch_size)])) for t in range(args.num_steps)]
+        start_s = time.process_time()
+        for payload in payloads:
+            relay.dispatch(payload)
+        dispatched_s = time.process_time()
+        for i, gen in enumerate(gens):
+            shape = ResponseShape(gen.request_id, MODEL, 0, chat=False)
+            async for steps in gen.updates():
+                b"".join([shape.chunk_event(s.text, s.finish_reason) for s in steps])
+                break
+        encoded_s = time.process_time()
+        return {"dispatch_us_per_token": 1e6 * (dispatched_s - start_s) / num_tokens,
+                "sse_encode_us_per_token": 1e6 * (encoded_s - dispatched_s) / num_tokens}
+
+    result = {"no_stop_strings": asyncio.run(one([])), "one_stop_string": asyncio.run(one(["never appears"]))}
+    return {"bench": "relay_inline", "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+            "command": "python -m bench.relay_bench inline " + " ".join(sys.argv[2:]),
+            "device": f"{platform.node()}: {os.cpu_count()} CPU cores, one thread",
+            "host_loadavg_before": [round(x, 2) for x in os.getloadavg()],
+            "config": {"batch_size": args.batch_size, "num_steps": args.num_steps}, "results": result}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd")
@@ -351,6 +407,10 @@ def main(argv: list[str] | None = None) -> None:
     w.add_argument("--max-num-seqs", type=int, default=256)
     w.add_argument("--max-model-len", type=int, default=2048)
     w.add_argument("--timings-path", required=True)
+    inline = sub.add_parser("inline", help="CPU per token of the relay's pass over token batches, in process")
+    inline.add_argument("--batch-size", type=int, default=256, help="entries per batch (requests)")
+    inline.add_argument("--num-steps", type=int, default=64, help="batches (tokens per request)")
+    inline.add_argument("--out", default=str(ROOT / "bench" / "results" / "relay_inline.json"))
     parser.add_argument("--num-workers", type=int, default=4)
     parser.add_argument("--step-time-ms", type=float, default=10.0)
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -365,6 +425,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.cmd == "worker":
         worker_main(args)
+        return
+    if args.cmd == "inline":
+        inline_result = inline_main(args)
+        Path(args.out).write_text(json.dumps(inline_result, indent=2) + "\n")
+        print(json.dumps(inline_result["results"], indent=2))
+        print(f"wrote {args.out}")
         return
     result = run(args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -12,9 +12,9 @@ spaces of SentencePiece) right, and keeps each step O(window) instead of O(lengt
 Two implementations of that method, with one interface (``add``, ``flush``):
 
 - ``StreamDetokenizer``: the ``tokenizers`` library's ``DecodeStream`` (Rust; the
-  method above with its state kept in Rust), ~7 µs per token on a 2-core EPYC against
-  ~40 µs for the Python window: cheap enough to run on the event loop, for every
-  request of a relayed batch in one pass (docs/architecture.md, "The relay").
+  method above with its state kept in Rust), several times cheaper than the Python
+  window: cheap enough to run on the event loop, for every request of a relayed batch in
+  one pass (docs/architecture.md, "The relay"; ``python -m bench.relay_bench inline``).
 - ``WindowDetokenizer``: the same method in Python over Hugging Face ``decode``: for
   slow (Python) tokenizers and tokenizers whose ``decode`` cleans up spaces (which
   ``DecodeStream`` does not), and the reference the stream one is tested against.
