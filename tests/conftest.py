@@ -72,3 +72,15 @@ def redis_server() -> Iterator[EmbeddedRedis]:  # noqa: F821
         yield server
     finally:
         server.close()
+
+
+@pytest.fixture()
+async def client(redis_server):
+    """An asyncio Redis client on ``redis_server``, closed after the test."""
+    import redis.asyncio as aioredis
+
+    c = aioredis.from_url(redis_server.url)
+    try:
+        yield c
+    finally:
+        await c.aclose()

@@ -193,15 +193,6 @@ def test_two_requests_computing_one_prefix(idle, smollm_tokenizer, monkeypatch, 
 
 # -- through a worker: the paths a client sees -----------------------------------------------
 
-@pytest.fixture()
-async def client(redis_server) -> AsyncIterator[aioredis.Redis]:
-    c = aioredis.from_url(redis_server.url)
-    try:
-        yield c
-    finally:
-        await c.aclose()
-
-
 @asynccontextmanager
 async def serving(client: aioredis.Redis, engine: InferqBackend) -> AsyncIterator[tuple[Worker, Any]]:
     """A worker around ``engine`` and a subscription to its replies. On exit the worker

@@ -12,7 +12,6 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -261,15 +260,6 @@ class RecordingSim(SimBackend):
     def abort(self, request_id: str) -> bool:
         self.aborted.append(request_id)
         return super().abort(request_id)
-
-
-@pytest.fixture()
-async def client(redis_server) -> AsyncIterator[aioredis.Redis]:
-    c = aioredis.from_url(redis_server.url)
-    try:
-        yield c
-    finally:
-        await c.aclose()
 
 
 async def _queue(client: aioredis.Redis, request_id: str, channel: str, max_tokens: int) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
@@ -26,15 +25,6 @@ pytestmark = pytest.mark.timeout(60)
 KEYS = Keys("ts")
 STREAM = KEYS.requests_stream("m")
 CHANNEL = KEYS.gateway_channel("g1")
-
-
-@pytest.fixture()
-async def client(redis_server) -> AsyncIterator[aioredis.Redis]:
-    c = aioredis.from_url(redis_server.url)
-    try:
-        yield c
-    finally:
-        await c.aclose()
 
 
 async def _delivered(client: aioredis.Redis, num_entries: int, consumer: str = "w1") -> list[bytes]:

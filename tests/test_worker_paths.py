@@ -73,15 +73,6 @@ def entry(request_id: str, max_tokens: int, *, attempt: int = 0, output_token_id
 
 
 @pytest.fixture()
-async def client(redis_server) -> AsyncIterator[aioredis.Redis]:
-    c = aioredis.from_url(redis_server.url)
-    try:
-        yield c
-    finally:
-        await c.aclose()
-
-
-@pytest.fixture()
 async def replies(client: aioredis.Redis) -> AsyncIterator[aioredis.client.PubSub]:
     """A subscription to the reply channel, made before any request is queued."""
     pubsub = client.pubsub()
