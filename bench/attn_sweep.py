@@ -8,6 +8,7 @@ launch cost is excluded. Qwen2.5-7B head shape. Prints the best config per point
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 
@@ -61,11 +62,10 @@ def main() -> None:
             if splits > 1 and -(-ctx // tile) < splits:
                 continue
             cfg = dict(default, TILE=tile, num_warps=warps, num_stages=stages, NUM_SPLITS=splits)
-            pa._attention_config = lambda *a, cfg=cfg: cfg  # noqa: E731
+            pa._attention_config = lambda *a, cfg=cfg: cfg
             try:
-                fn = lambda: pa.paged_attention(q, kc, vc, tables, qsl, lens, d ** -0.5, out,  # noqa: E731
-                                                max_query_len=1, max_seq_len=ctx)
-                us = time_us(fn)
+                us = time_us(functools.partial(pa.paged_attention, q, kc, vc, tables, qsl, lens, d ** -0.5, out,
+                                               max_query_len=1, max_seq_len=ctx))
                 err = ((out.float() - ref).norm() / ref.norm()).item()
             except Exception as exc:  # noqa: BLE001 - a config that does not compile
                 rows.append({"tile": tile, "warps": warps, "stages": stages, "splits": splits, "error": repr(exc)[:80]})

@@ -21,7 +21,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kernels.paged_attention import _attention_config, _num_sms, paged_attention, paged_attention_ref  # noqa: E402
+from kernels.paged_attention import _attention_config, _num_sms, paged_attention, paged_attention_ref
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 28, 4, 128, 16
 DTYPE = torch.bfloat16
@@ -179,7 +179,7 @@ def bench_case(kind: str, seqs: list[tuple[int, int]], copy_gbs: float, l2_bytes
         ref_out = paged_attention_ref(b["q"], b["k"], b["v"], b["tables"][0], b["qsl"], b["seq_lens"], scale)
         row["rel_err_vs_ref"] = float(f"{((out.float() - ref_out.float()).norm() / ref_out.float().norm()).item():.2e}")
     print(json.dumps(row), flush=True)
-    del b
+    b.clear()  # frees the buffers before the next case
     torch.cuda.empty_cache()
     return row
 

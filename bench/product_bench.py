@@ -52,6 +52,7 @@ import httpx
 
 from bench.host import cpu_description
 from bench.loadgen import BenchConfig, run_benchmark
+from bench.loadgen.multiproc import run_split
 from bench.loadgen.runner import build_requests
 from bench.model_folder import build_model_folder, export_tokenizer
 from bench.procs import ROOT, cmdline, cpu_s, descendants, free_port, spawn, stop
@@ -235,13 +236,18 @@ def process_roles(serve_pid: int) -> dict[int, str]:
     return roles
 
 
-def measure_pass(cfg: BenchConfig, serve_pid: int) -> dict[str, Any]:
-    """One pass of the client against serve: the load client's figures and each role's CPU."""
+def measure_pass(cfg: BenchConfig, serve_pid: int, client_processes: int = 1) -> dict[str, Any]:
+    """One pass of the client against serve: the load client's figures and each role's CPU.
+    With ``client_processes > 1`` the requests are sent from that many processes
+    (``bench.loadgen.multiproc``), and ``client`` CPU is theirs in all."""
     roles = process_roles(serve_pid)
     before = {pid: cpu_s(pid) for pid in roles}
-    client_before_s = time.process_time()
-    result = asyncio.run(run_benchmark(cfg))
-    client_s = time.process_time() - client_before_s
+    if client_processes > 1:
+        result, client_s = run_split(cfg, client_processes)
+    else:
+        client_before_s = time.process_time()
+        result = asyncio.run(run_benchmark(cfg))
+        client_s = time.process_time() - client_before_s
     cpu = dict.fromkeys(ROLES, 0.0)
     for pid, role in roles.items():
         try:
@@ -290,7 +296,8 @@ def run_serve(args: argparse.Namespace, model_dir: Path, concurrency: int, env: 
                 break
             cfg = workload(args, args.seed + i, base_url=url, model=model_dir.name, max_concurrency=concurrency,
                            timeout_s=max(clock.left_s(), 1.0))
-            row = {"pass": i + 1, "first_after_start": i == 0, **measure_pass(cfg, proc.pid)}
+            row = {"pass": i + 1, "first_after_start": i == 0,
+                   **measure_pass(cfg, proc.pid, min(args.client_processes, concurrency))}
             if offline is not None:
                 row["offline_output_tok_s"] = offline["output_tok_s"]
                 row["ratio_to_offline"] = row["output_tok_s"] / offline["output_tok_s"]
@@ -353,6 +360,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--max-num-seqs", type=int, default=256, help="cap of the engine's max_num_seqs")
     ap.add_argument("--passes", type=int, default=2, help="client passes after each serve start")
     ap.add_argument("--gateway-workers", type=int, default=0, help="passed to serve when given")
+    ap.add_argument("--client-processes", type=int, default=1,
+                    help="load-client processes sharing each pass (at most the concurrency)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-seconds", type=float, default=480.0, help="start no new step after this")
     ap.add_argument("--start-timeout-s", type=float, default=300.0, help="serve start to /ready, at most")
@@ -363,7 +372,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     try:
         args.concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
         assert args.concurrencies and min(args.concurrencies) >= 1, "--concurrency needs values >= 1"
-        assert min(args.num_prompts, args.input_len, args.output_len, args.max_num_seqs, args.passes) >= 1, \
+        assert min(args.num_prompts, args.input_len, args.output_len, args.max_num_seqs, args.passes,
+                   args.client_processes) >= 1, \
             "counts and lengths must be >= 1"
         passthrough_env(extra)
     except (ValueError, AssertionError) as exc:
@@ -395,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
                      "output_len": args.output_len, "concurrencies": args.concurrencies,
                      "max_num_seqs": args.max_num_seqs, "passes": args.passes, "seed": args.seed,
                      "device": args.device, "gateway_workers": args.gateway_workers or None,
+                     "client_processes": args.client_processes,
                      "passthrough": env, "max_seconds": args.max_seconds},
         "offline": {}, "serve": [], "stopped_early": None}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,12 @@ protocol (transport) and the engine (sampling)."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
+
+#: What a structured output is constrained by (docs/architecture.md, "Structured outputs").
+StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 
 
 class InvalidParameter(ValueError):
@@ -12,6 +17,21 @@ class InvalidParameter(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
+    """A constraint on the output text, enforced token by token with a grammar mask.
+
+    ``spec`` by ``kind``: ``json_schema``, the schema as canonical JSON text (sorted
+    keys, so equal schemas share one compiled grammar); ``json_object``, empty (any JSON
+    object); ``regex``, the pattern; ``choice``, a JSON list of the allowed strings;
+    ``grammar``, an EBNF grammar (GBNF syntax, as in llama.cpp and vLLM). ``strict``
+    forbids object properties the schema does not name (OpenAI's ``strict: true``).
+    """
+
+    kind: StructuredKind
+    spec: str = ""
+    strict: bool = True
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -37,6 +57,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    structured: StructuredOutput | None = None
 
     def validate(self) -> None:
         """Check every field.

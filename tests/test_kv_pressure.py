@@ -258,8 +258,7 @@ async def settled(client: aioredis.Redis, worker: Worker) -> None:
 #: (prompt tokens, max_tokens, prefill chunk): the 9 blocks hold 144 tokens.
 _TOO_BIG = [
     pytest.param(200, 4, 2048, id="prompt-in-one-chunk"),
-    pytest.param(200, 4, CHUNK_TOKENS, id="prompt-in-chunks"),  # its chunks fill the cache first
-    pytest.param(120, 40, CHUNK_TOKENS, id="prompt-and-outputs"),  # the prompt fits, its outputs do not
+    pytest.param(120, 40, CHUNK_TOKENS, id="prompt-and-outputs"),  # the prompt fits, with its outputs it does not
 ]
 
 
@@ -274,12 +273,10 @@ async def test_a_request_larger_than_the_kv_cache_gets_an_error(idle, client, sm
     capital = smollm_tokenizer.encode(CAPITAL)
     async with serving(client, idle) as (worker, pubsub):
         await submit(client, "big", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-        # An error, after the tokens that fitted (the third case: its outputs run the
-        # cache out), naming the cause.
-        *outputs, error = (await until_finished(worker, pubsub, {"big"}))["big"]
-        assert isinstance(error, ErrorMessage) and error.status in (400, 500), error
-        assert "KV blocks" in error.message
-        assert len(tokens(outputs)) < max_tokens
+        # Refused before it runs (400, no tokens), naming the cause; nothing else fails.
+        (error,) = (await until_finished(worker, pubsub, {"big"}))["big"]
+        assert isinstance(error, ErrorMessage) and error.status == 400, error
+        assert f"this worker's cache has {NUM_BLOCKS}" in error.message
         # The worker goes on serving.
         await submit(client, "next", capital, SamplingParams(max_tokens=4, temperature=0.0))
         assert len(tokens((await until_finished(worker, pubsub, {"next"}))["next"])) == 4

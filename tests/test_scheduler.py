@@ -265,13 +265,17 @@ def test_waiting_requests_hold_no_blocks_so_a_tight_cache_cannot_deadlock() -> N
     assert bm.num_free_blocks == bm.num_blocks and not s.waiting and not s.running
 
 
-def test_request_larger_than_the_cache_raises_also_with_a_cached_prefix() -> None:
+def test_request_larger_than_the_cache_is_refused_at_add_also_with_a_cached_prefix() -> None:
     s = make(num_blocks=8, block_size=4, budget=64, caching=True)
     s.add(req("a", 9, max_tokens=1))
     run_step(s)  # a's first two blocks are now cached
-    s.add(req("huge", 40, max_tokens=1))  # shares a's prefix, needs 10 blocks of 8
     import pytest
 
-    with pytest.raises(RuntimeError, match="needs more KV blocks than exist"):
-        for _ in range(3):
-            run_step(s)
+    # 40 prompt tokens share a's prefix but need 10 blocks of 8 in all.
+    with pytest.raises(ValueError, match="needs 10 KV blocks of 4 tokens; this worker's cache has 8"):
+        s.add(req("huge", 40, max_tokens=1))
+    # Prompt and outputs together: 30 + 3 tokens, the last one's KV never computed: 8 blocks fit.
+    s.add(req("fits", 30, max_tokens=3))
+    with pytest.raises(ValueError, match="needs 9 KV blocks"):
+        s.add(req("outputs-too", 30, max_tokens=4))
+    assert "huge" not in s.requests and "outputs-too" not in s.requests

@@ -33,6 +33,7 @@ from bench.loadgen.client import RequestOutput
 from bench.loadgen.config import CHAT_ENDPOINT, BenchConfig
 from bench.loadgen.dataset import sample_random_requests
 from bench.loadgen.metrics import compute_metrics
+from bench.loadgen.multiproc import concurrency_shares, run_split
 from bench.loadgen.runner import build_requests, run_benchmark
 from bench.loadgen.sweep import SweepPlan
 from bench.serve_bench import app as cli_app
@@ -130,6 +131,24 @@ def cfg_for(base_url: str, scenario: str, **kw: Any) -> BenchConfig:
 
 
 # ---------------------------------------------------------------- end-to-end against the server
+
+
+def test_split_client_sends_every_prompt_once_and_merges_the_records(server: tuple[FakeServer, str]) -> None:
+    """Three client processes (bench.loadgen.multiproc): together they send the run's
+    prompts exactly once each, and the merged result counts all of them."""
+    fake, base_url = server
+    cfg = cfg_for(base_url, "split", ignore_eos=True, num_prompts=10, max_concurrency=5, model=MODEL_ID)
+    result, cpu_s = run_split(cfg, 3)
+    m = result.metrics
+    assert (m.completed, m.failed, m.total_output_tokens) == (10, 0, 60)
+    sent = sorted(tuple(body["prompt"]) for body in fake.payloads["split"])
+    assert sent == sorted(tuple(r.prompt) for r in build_requests(cfg))
+    starts = [o.start_s for o in result.outputs]
+    assert m.duration_s >= max(o.start_s + o.latency_s for o in result.outputs) - min(starts) > 0
+    assert cpu_s > 0
+    assert concurrency_shares(5, 3) == [2, 2, 1] and concurrency_shares(None, 2) == [None, None]
+    with pytest.raises(ValueError, match="less than 3 client processes"):
+        concurrency_shares(2, 3)
 
 
 async def test_counts_and_latencies(server: tuple[FakeServer, str]) -> None:

@@ -24,7 +24,7 @@ from bench.loadgen.dataset import SampleRequest, Tokenizer, sample_random_reques
 from bench.loadgen.metrics import compute_metrics
 from bench.loadgen.report import BenchResult, now_date
 
-__all__ = ["BenchResult", "run_benchmark"]
+__all__ = ["BenchResult", "drive", "make_result", "run_benchmark"]
 
 
 def load_tokenizer(name_or_path: str) -> Any:
@@ -67,26 +67,21 @@ def progress_bar(enabled: bool, total: int) -> Iterator[Any]:
         yield lambda: progress.advance(task_id)
 
 
-async def run_benchmark(
-    cfg: BenchConfig, *, tokenizer: Tokenizer | None = None, on_request_done: Callable[[], None] | None = None
-) -> BenchResult:
-    """Drive ``cfg.urls`` (round-robin) with ``cfg.num_prompts`` streaming requests and return the measured result.
+async def drive(cfg: BenchConfig, requests: list[SampleRequest], model: str | None = None,
+                on_request_done: Callable[[], None] | None = None) -> tuple[str, list[RequestOutput], float, float]:
+    """Send ``requests`` to ``cfg.urls`` (round-robin) on the arrival schedule, at most
+    ``cfg.max_concurrency`` at once, and collect what each measured.
 
-    ``tokenizer`` (optional) is an already loaded tokenizer to build prompts with instead of
-    loading ``cfg.tokenizer``, e.g. to reuse one across a sweep. ``on_request_done`` (optional)
-    is called as each request ends, in place of the run's own progress bar (a sweep draws its
-    own bars). Raises ``ValueError`` as ``build_requests`` does, and ``httpx.HTTPError``/``RuntimeError``
-    only when ``cfg.model`` is None and the model list cannot be read; request failures are
-    recorded per request, not raised.
+    Returns ``(model, outputs, start_s, end_s)``; the times are ``time.perf_counter`` (on
+    Linux the system-wide monotonic clock, so times of several client processes compare).
+    Raises ``httpx.HTTPError``/``RuntimeError`` only when ``model`` is None and the model
+    list cannot be read; request failures are recorded per request.
     """
-    if tokenizer is None and not cfg.tokenizer and cfg.endpoint == CHAT_ENDPOINT:
-        raise ValueError("the chat endpoint needs a tokenizer (--tokenizer) to build text prompts")
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     # trust_env=False: an HTTP(S)_PROXY meant for the internet must not sit between us and the server.
     limits = httpx.Limits(max_connections=cfg.max_concurrency, max_keepalive_connections=cfg.max_concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s), limits=limits, trust_env=False) as client:
-        model = cfg.model or await first_model_id(client, cfg.base_url, headers)
-        requests = await asyncio.to_thread(build_requests, cfg, tokenizer)
+        model = model or cfg.model or await first_model_id(client, cfg.base_url, headers)
         offsets_s = arrival_offsets_s(len(requests), cfg.request_rate_per_s, cfg.burstiness, cfg.seed)
         semaphore = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
 
@@ -110,8 +105,13 @@ async def run_benchmark(
                     await asyncio.sleep(delay_s)
                 tasks.append(asyncio.create_task(one(request, next(urls))))
             outputs = list(await asyncio.gather(*tasks))
-            duration_s = time.perf_counter() - start_s
+            end_s = time.perf_counter()
+    return model, outputs, start_s, end_s
 
+
+def make_result(cfg: BenchConfig, model: str, tokenizer: Tokenizer | None, outputs: list[RequestOutput],
+                duration_s: float) -> BenchResult:
+    """The run's ``BenchResult`` from every request's record and the run's length (s, > 0)."""
     metrics = compute_metrics(outputs, duration_s, cfg.percentiles, cfg.goodput_slos_ms)
     return BenchResult(
         date=now_date(),
@@ -127,3 +127,22 @@ async def run_benchmark(
         metrics=metrics,
         outputs=outputs,
     )
+
+
+async def run_benchmark(
+    cfg: BenchConfig, *, tokenizer: Tokenizer | None = None, on_request_done: Callable[[], None] | None = None
+) -> BenchResult:
+    """Drive ``cfg.urls`` (round-robin) with ``cfg.num_prompts`` streaming requests and return the measured result.
+
+    ``tokenizer`` (optional) is an already loaded tokenizer to build prompts with instead of
+    loading ``cfg.tokenizer``, e.g. to reuse one across a sweep. ``on_request_done`` (optional)
+    is called as each request ends, in place of the run's own progress bar (a sweep draws its
+    own bars). Raises ``ValueError`` as ``build_requests`` does, and ``httpx.HTTPError``/``RuntimeError``
+    only when ``cfg.model`` is None and the model list cannot be read; request failures are
+    recorded per request, not raised.
+    """
+    if tokenizer is None and not cfg.tokenizer and cfg.endpoint == CHAT_ENDPOINT:
+        raise ValueError("the chat endpoint needs a tokenizer (--tokenizer) to build text prompts")
+    requests = await asyncio.to_thread(build_requests, cfg, tokenizer)
+    model, outputs, start_s, end_s = await drive(cfg, requests, on_request_done=on_request_done)
+    return make_result(cfg, model, tokenizer, outputs, end_s - start_s)

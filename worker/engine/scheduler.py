@@ -81,10 +81,20 @@ class Scheduler:
         """Queue a new request.
 
         Raises:
-            ValueError: duplicate request id.
+            ValueError: duplicate request id, or a request whose prompt and
+                ``max_tokens`` need more KV blocks than the whole cache holds (it
+                could never finish; the worker answers 400 instead of failing the batch).
         """
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
+        bm = self.block_manager
+        # The last sampled token's KV is never computed.
+        num_kv_tokens = request.num_prompt_tokens + request.sampling.max_tokens - 1
+        num_blocks = -(-num_kv_tokens // bm.block_size)
+        if num_blocks > bm.num_blocks:
+            raise ValueError(f"prompt ({request.num_prompt_tokens} tokens) plus max_tokens "
+                             f"({request.sampling.max_tokens}) needs {num_blocks} KV blocks of "
+                             f"{bm.block_size} tokens; this worker's cache has {bm.num_blocks}")
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
