@@ -178,17 +178,10 @@ class WorkerSettings:
         "seconds (0: off; keep it above the longest prefill step)"))
     fault_hang_after_steps: int = field(default=0, metadata=_doc(
         "FAULT INJECTION, tests only: engine step N+1 blocks forever (0: off)"))
-    # Python's default is 5 ms: when a GPU step ends, the engine thread waits for the GIL
-    # until the event loop's thread (pulls, publishes) lets it go, up to that long, every step
-    # (docs/architecture.md, "Processes").
-    gil_switch_interval_ms: float = field(default=0.5, metadata=_doc(
-        "The worker's GIL switch interval (sys.setswitchinterval), ms: how long the engine thread "
-        "may wait for the event loop's thread to let the interpreter go"))
 
     def __post_init__(self) -> None:
         """Raises: SettingsError: a value that is not allowed."""
         _require_at_least(self, "engine_stall_timeout_s", 0.0)
-        _require(self, "gil_switch_interval_ms", self.gil_switch_interval_ms > 0.0, "must be > 0")
         _require_at_least(self, "fault_hang_after_steps", 0)
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import sys
 
 import redis.asyncio as aioredis
 
@@ -29,7 +28,6 @@ async def serve_worker(worker: WorkerSettings, redis_settings: RedisSettings, mo
     """
     if not redis_settings.redis_url:
         raise ValueError("a worker needs --redis-url (or INFERQ_REDIS_URL)")
-    sys.setswitchinterval(worker.gil_switch_interval_ms / 1000)
     # Resolved once (the first start may convert the default model): the backend and the
     # served name both come from it.
     source = await asyncio.to_thread(resolve_model, model.model, model.load_format, model.model_cache_dir)
