@@ -33,12 +33,12 @@ def _engine(max_num_seqs: int = 6, max_num_batched_tokens: int = 96) -> LLM:
                max_num_batched_tokens=max_num_batched_tokens, max_model_len=512)
 
 
-def _start(llm: LLM, lengths: list[int]) -> None:
+def _start(llm: LLM, lengths: list[int], max_tokens: int = 8) -> None:
     rng = random.Random(0)
     vocab = llm.engine.model_config.vocab_size
     for i, n in enumerate(lengths):
         llm.engine.add_request(f"r{i}", [rng.randrange(vocab) for _ in range(n)],
-                               SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+                               SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
 
 
 def test_fill_matches_definitions() -> None:
@@ -81,10 +81,10 @@ def test_fill_matches_definitions() -> None:
 def test_padded_step_equals_unpadded() -> None:
     """The hidden rows a padded mixed step gathers equal the unpadded step's, over the
     steps of a workload with chunked prefill beside decodes (reference attention)."""
-    llm = _engine()
-    _start(llm, [5, 90, 33, 2, 61])
+    llm = _engine(max_num_batched_tokens=48)
+    _start(llm, [5, 45, 17, 2, 30], max_tokens=4)
     engine, runner = llm.engine, llm.engine.runner
-    mixed = MixedGraphs(runner.model, runner.kv_caches, runner.backend, 6, 96, 32, 512, 16, torch.device("cpu"))
+    mixed = MixedGraphs(runner.model, runner.kv_caches, runner.backend, 6, 48, 32, 512, 16, torch.device("cpu"))
     checked = 0
     while engine.has_unfinished_requests():
         out = engine.scheduler.schedule()

@@ -54,11 +54,11 @@ def test_tiny_cpu_run_writes_ratios_from_recorded_figures(tmp_path: Path, capsys
     assert product_bench.main(["--export-tokenizer", str(tmp_path / "tok")]) == 0
     out = tmp_path / "product.json"
     num_prompts, output_len = 6, 4
-    # Concurrency 2 and 6 with max_num_seqs capped at 2: one offline run serves both ratios.
+    # Concurrency 6 with max_num_seqs capped at 2, the load client in 2 processes (3 streams each).
     code = product_bench.main(["--model", "SmolLM2-135M", "--device", "cpu", "--tokenizer-dir", str(tmp_path / "tok"),
                                "--num-prompts", str(num_prompts), "--input-len", "16", "--output-len", str(output_len),
-                               "--concurrency", "2,6", "--max-num-seqs", "2", "--max-num-batched-tokens", "512",
-                               "--out", str(out), "--log-dir", str(tmp_path / "logs")])
+                               "--concurrency", "6", "--max-num-seqs", "2", "--client-processes", "2",
+                               "--max-num-batched-tokens", "512", "--out", str(out), "--log-dir", str(tmp_path / "logs")])
     printed = capsys.readouterr().out
     res = json.loads(out.read_text())
     assert code == 0, (res, [p.read_text()[-3000:] for p in (tmp_path / "logs").glob("*.log")])
@@ -69,7 +69,8 @@ def test_tiny_cpu_run_writes_ratios_from_recorded_figures(tmp_path: Path, capsys
     offline = res["offline"]["2"]
     assert offline["total_output_tokens"] == num_prompts * output_len
     assert offline["output_tok_s"] == pytest.approx(offline["total_output_tokens"] / offline["wall_s"])
-    assert [(r["concurrency"], r["max_num_seqs"]) for r in res["serve"]] == [(2, 2), (6, 2)]
+    assert res["settings"]["client_processes"] == 2
+    assert [(r["concurrency"], r["max_num_seqs"]) for r in res["serve"]] == [(6, 2)]
     for run in res["serve"]:
         assert run["startup_s"] > 0 and run["serve_exit_code"] == 0 and "error" not in run
         assert [(p["pass"], p["first_after_start"], p["seed"]) for p in run["passes"]] == [(1, True, 0), (2, False, 1)]
@@ -89,5 +90,5 @@ def test_tiny_cpu_run_writes_ratios_from_recorded_figures(tmp_path: Path, capsys
             for role, seconds in p["cpu_s"].items():
                 assert p["cpu_s_per_1k_output_tokens"][role] == pytest.approx(seconds * 1000 / p["total_output_tokens"])
     first = res["serve"][0]["passes"][0]
-    assert f"| 2 | 1 (first after start) | {first['output_tok_s']:,.0f} |" in printed
+    assert f"| 6 | 1 (first after start) | {first['output_tok_s']:,.0f} |" in printed
     assert f"| {first['ratio_to_offline']:.2f} |" in printed
