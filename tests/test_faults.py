@@ -206,6 +206,18 @@ def pending_total(redis_url: str) -> int:
         client.close()
 
 
+def read_tokens(pubsub: Any, num_tokens: int, timeout_s: float) -> list[int]:
+    """Token ids of the ``TokenBatch`` messages on ``pubsub`` (a subscribed sync PubSub),
+    in arrival order, until ``num_tokens`` came or ``timeout_s`` passed."""
+    deadline = time.monotonic() + timeout_s
+    tokens: list[int] = []
+    while time.monotonic() < deadline and len(tokens) < num_tokens:
+        msg = pubsub.get_message(ignore_subscribe_messages=True, timeout=0.5)
+        if msg:
+            tokens += [t for out in protocol.decode(msg["data"]).outputs for t in out.token_ids]
+    return tokens
+
+
 def wait_no_pending(redis_url: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while pending_total(redis_url) and time.monotonic() < deadline:
@@ -392,13 +404,7 @@ def test_reaper_claims_entries_of_a_dead_consumer(shared_stack: Stack) -> None:
         entry_id, delivered = pipe.execute()
     assert delivered, "the entry was not delivered to ghost"
     client.xclaim(STREAM, CONSUMER_GROUP, "ghost", 0, [entry_id], idle=2 * REAP_MIN_IDLE_MS)
-    deadline = time.monotonic() + 60
-    tokens: list[int] = []
-    while time.monotonic() < deadline and len(tokens) < 3:
-        msg = pubsub.get_message(ignore_subscribe_messages=True, timeout=0.5)
-        if msg:
-            tokens += [t for out in protocol.decode(msg["data"]).outputs for t in out.token_ids]
-    assert tokens == [5, 6, 7]
+    assert read_tokens(pubsub, 3, timeout_s=60) == [5, 6, 7]
     wait_no_pending(stack.redis_url)
     assert stack.log("ws").count("from dead consumer ghost") == num_reclaimed_before + 1
     client.close()

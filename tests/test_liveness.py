@@ -25,7 +25,7 @@ from shared.protocol import GenerateRequest, WorkerStatus
 from shared.sampling import SamplingParams
 from shared.serve_ready import announce_when_ready
 from tests import processes
-from tests.test_faults import MODEL, STREAM, Stack, pending_total, stack, stream_completion  # noqa: F401
+from tests.test_faults import MODEL, STREAM, Stack, pending_total, read_tokens, stack, stream_completion  # noqa: F401
 from worker.progress import StepClock
 
 #: The stall timeout the process tests give their workers, s.
@@ -180,12 +180,7 @@ def test_reaper_claims_entries_of_a_consumer_whose_engine_stalled(stack: Stack) 
     client.set(Keys().worker_key("ghost"), protocol.encode(status("ghost", running_s=30.0)), ex=120)
     stack.add_worker("wa", "--backend", "sim")
     deadline = time.monotonic() + 90
-    tokens: list[int] = []
-    while time.monotonic() < deadline and len(tokens) < 3:
-        msg = pubsub.get_message(ignore_subscribe_messages=True, timeout=0.5)
-        if msg:
-            tokens += [t for out in protocol.decode(msg["data"]).outputs for t in out.token_ids]
-    assert tokens == [5, 6, 7]
+    assert read_tokens(pubsub, 3, timeout_s=90) == [5, 6, 7]
     while pending_total(stack.redis_url) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert pending_total(stack.redis_url) == 0

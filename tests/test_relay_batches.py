@@ -28,7 +28,7 @@ from shared.keys import STREAM_FIELD, Keys
 from shared.protocol import ErrorMessage, GenerateRequest, TokenBatch, TokenOutput
 from shared.sampling import SamplingParams
 from shared.settings import EngineSettings, ModelSettings
-from worker.backends.sim import SimBackend
+from tests.test_worker_paths import RecordingSim
 from worker.service import Worker
 
 pytestmark = pytest.mark.timeout(120)
@@ -250,16 +250,6 @@ async def _never_disconnected() -> bool:
 KEYS = Keys("trb")
 STREAM = KEYS.requests_stream("m")
 PROMPT = [5, 6, 7]
-
-
-class RecordingSim(SimBackend):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.aborted: list[str] = []
-
-    def abort(self, request_id: str) -> bool:
-        self.aborted.append(request_id)
-        return super().abort(request_id)
 
 
 async def _queue(client: aioredis.Redis, request_id: str, channel: str, max_tokens: int) -> None:
