@@ -24,8 +24,6 @@ from shared.protocol import ErrorMessage
 #: Most pending entries read per stream to count redeliveries (bounds the cost of one
 #: read when thousands are pending; the count then covers only the first ones).
 MAX_SCANNED_PENDING = 1000
-#: Commands ``add_finish`` queues on a pipeline (XACK, XDEL), for reading its replies.
-NUM_FINISH_COMMANDS = 2
 
 
 def as_text(value: Any) -> str:
@@ -127,7 +125,7 @@ async def pending_entries(client: aioredis.Redis, stream: str, count: int) -> li
 
 def add_finish(pipe: Any, stream: str, entry_id: bytes | str) -> None:
     """Queue the finish of an entry on ``pipe`` (a redis-py pipeline, transactional or
-    not): XACK it in the ``workers`` group and XDEL it, ``NUM_FINISH_COMMANDS`` commands."""
+    not): XACK it in the ``workers`` group, then XDEL it (two replies on the pipeline)."""
     pipe.xack(stream, CONSUMER_GROUP, entry_id)
     pipe.xdel(stream, entry_id)
 
