@@ -2,7 +2,8 @@
 process against a real redis-server with the sim backend (its output echoes the prompt,
 so lost or repeated tokens show): the drain (no pulling once draining, hand-back after
 ``drain_timeout_s``), a newer attempt replacing the running one, stream entries that do
-not decode, removal of dead consumers, and the publish backlog after a Redis error.
+not decode, removal of dead consumers, and the publish backlog after a Redis error (also
+when a newer attempt replaces the run it holds outputs of).
 
 An engine step that raises is tested in tests/test_streams.py (sim backend) and
 tests/test_kv_pressure.py (the real engine)."""
@@ -330,3 +331,33 @@ async def test_failed_publishes_go_out_with_the_next_one(client, replies) -> Non
     assert_contiguous(out["a"], 0, 12)  # every token once, in order
     assert_contiguous(out["b"], 0, 6)
     assert worker.inflight == {}
+
+
+async def test_held_back_outputs_of_a_replaced_attempt_are_not_sent_as_the_new_one(client, replies) -> None:
+    blackout = [False]
+    flaky = FlakyPipelines(client, lambda number, commands: blackout[0] and "PUBLISH" in commands)
+    worker = make_worker(flaky, step_time_ms=10.0)
+    max_tokens = 100
+    async with running(worker):
+        await client.xadd(STREAM, entry("r", max_tokens))
+        delivered: list[int] = []
+        while len(delivered) < 3:
+            for reply in await next_replies(replies):
+                delivered += reply.token_ids
+        blackout[0] = True  # attempt 0's next outputs pile up in the worker's backlog
+        await wait_until(lambda: _true(len(flaky.failed) >= 2))
+        assert any(out.request_id == "r" for out in worker._backlog)
+        await client.xadd(STREAM, entry("r", max_tokens, attempt=1, output_token_ids=delivered))
+        await wait_until(lambda: _true(worker.backend.aborted == ["r"]))
+        blackout[0] = False
+        messages: list[Reply] = []
+        while not messages or not is_last(messages[-1]):
+            messages += await next_replies(replies)
+        await wait_until(lambda: stream_empty(client))
+    assert all(m.attempt == 1 for m in messages), messages
+    assert_contiguous(messages, len(delivered), max_tokens - len(delivered))
+
+
+async def _true(value: bool) -> bool:
+    """``value``, as the awaitable predicate ``wait_until`` takes."""
+    return value

@@ -269,6 +269,9 @@ class Worker:
             # newer attempt replaces the one running here.
             self.backend.abort(message.request_id)
             del self.inflight[message.request_id]
+            # Outputs of the replaced run that a Redis error held back must not go out under
+            # the new attempt's number: the continuation resumes after what the client has.
+            self._backlog = [out for out in self._backlog if out.request_id != message.request_id]
             await self._ack(held.entry_id)
         try:
             self.backend.add_request(message.request_id, message.prompt_token_ids, message.sampling,
