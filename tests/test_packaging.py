@@ -1,6 +1,9 @@
 """The installed package, not the checkout: a wheel built from this repository carries
-every file that the CPU extension build reads (``kernels/cpu_extension.py``), and the
-extension builds from the installed copy (what both Dockerfiles run)."""
+every file that the CPU extension build reads (``kernels/cpu_extension.py``): in the
+installed copy (what both Dockerfiles run) the build tag hashes every source, and every
+local ``#include "..."`` of a source resolves inside the package. The compile itself is
+tested from the checkout (tests/test_cpu_attention.py, ``test_kernel_builds_here``); doing
+it again from the installed copy cost a minute of CI for the same compiler run."""
 
 from __future__ import annotations
 
@@ -18,15 +21,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "kernels" / "csrc"
 
-# Runs in the installed copy: prints where `kernels` came from and whether the build worked.
-_BUILD_FROM_INSTALLED = textwrap.dedent("""
-    import logging, sys
-    logging.basicConfig(level=logging.WARNING)
+# Runs in the installed copy: where `kernels` came from, the build tag (it reads every
+# source), and each local include of each source that is missing from the package.
+_CHECK_INSTALLED = textwrap.dedent("""
+    import re, sys
     from kernels import cpu_extension
     print("CSRC", cpu_extension.CSRC)
-    module = cpu_extension.load()
-    print("BUILT", module is not None)
-    sys.exit(0 if module is not None else 1)
+    print("TAG", cpu_extension._build_tag())
+    for source in cpu_extension.SOURCES:
+        for header in re.findall(r'#include "([^"]+)"', (cpu_extension.CSRC / source).read_text()):
+            if not (cpu_extension.CSRC / header).is_file():
+                print("MISSING", source, header)
 """)
 
 
@@ -50,8 +55,7 @@ def _pip(*args: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="needs a C++ compiler")
-def test_installed_wheel_builds_the_cpu_extension(tmp_path: Path) -> None:
+def test_installed_wheel_carries_what_the_cpu_extension_build_reads(tmp_path: Path) -> None:
     project = _copy_project(tmp_path / "src")
     _pip("wheel", "--no-deps", "--no-build-isolation", "--wheel-dir", str(tmp_path / "dist"), str(project))
     [wheel] = (tmp_path / "dist").glob("inferq-*.whl")
@@ -62,12 +66,8 @@ def test_installed_wheel_builds_the_cpu_extension(tmp_path: Path) -> None:
 
     site = tmp_path / "site"
     _pip("install", "--no-deps", "--target", str(site), str(wheel))
-    env = {**os.environ, "PYTHONPATH": str(site), "TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_extensions"),
-           # ninja comes with the package's dependencies, into the interpreter's bin folder.
-           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
-    run = subprocess.run([sys.executable, "-c", _BUILD_FROM_INSTALLED], check=False, cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, "-c", _CHECK_INSTALLED], check=False, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(site)}, capture_output=True, text=True, timeout=120)
     out = run.stdout + run.stderr
     assert f"CSRC {site / 'kernels' / 'csrc'}" in out, out  # the installed copy, not the checkout
-    assert run.returncode == 0 and "BUILT True" in out, out
-    assert list((tmp_path / "torch_extensions").glob("inferq_cpu_kernels_*/*.so")), out
+    assert run.returncode == 0 and "TAG " in out and "MISSING" not in out, out
