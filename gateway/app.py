@@ -25,8 +25,12 @@ from gateway.metrics import GatewayMetrics
 from gateway.openapi import (
     ChatCompletion,
     Completion,
+    DetokenizeResponse,
     Health,
+    ModelCard,
     ModelList,
+    TokenizeResponse,
+    body_extra,
     error_responses,
     generation_extra,
     generation_responses,
@@ -39,6 +43,7 @@ from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.state import GatewayState
 from gateway.tasks import BackgroundTasks
 from gateway.tokenize import TokenizerWorker
+from gateway.tokenizer_routes import DetokenizeRequest, TokenizeRequest, handle_detokenize, handle_tokenize
 from shared.keys import Keys
 from shared.model_source import ModelSource, max_model_len, served_model_name
 from shared.settings import GatewaySettings, ModelSettings, RedisSettings
@@ -137,10 +142,27 @@ def create_app(gateway: GatewaySettings, redis: RedisSettings, model: ModelSetti
     async def list_models(request: Request) -> Response:
         state = get_state(request)
         check_auth(state, request)
-        card = {"id": state.served_model_name, "object": "model", "created": state.created_unix_s,
-                "owned_by": "inferq", "root": state.source_name, "parent": None,
-                "max_model_len": state.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [model_card(state)]})
+
+    # ``:path``: a served name may hold a slash ("HuggingFaceTB/SmolLM2-135M-Instruct").
+    @app.get("/v1/models/{model_id:path}", responses={200: {"model": ModelCard}, **error_responses(401, 404)})
+    async def retrieve_model(model_id: str, request: Request) -> Response:
+        state = get_state(request)
+        check_auth(state, request)
+        if model_id != state.served_model_name:
+            raise OpenAIError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
+        return JSONResponse(model_card(state))
+
+    @app.post("/tokenize", responses={200: {"model": TokenizeResponse}, **error_responses(400, 401, 404, 413, 503)},
+              openapi_extra=body_extra(TokenizeRequest))
+    async def tokenize(request: Request) -> Response:
+        return await handle_tokenize(get_state(request), request)
+
+    @app.post("/detokenize", responses={200: {"model": DetokenizeResponse},
+                                        **error_responses(400, 401, 404, 413, 503)},
+              openapi_extra=body_extra(DetokenizeRequest))
+    async def detokenize(request: Request) -> Response:
+        return await handle_detokenize(get_state(request), request)
 
     @app.get("/health", responses={200: {"model": Health}, **error_responses(503)})
     async def health(request: Request) -> Response:
@@ -166,6 +188,12 @@ def create_app(gateway: GatewaySettings, redis: RedisSettings, model: ModelSetti
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def model_card(state: GatewayState) -> dict[str, object]:
+    """The served model as an OpenAI model object (``GET /v1/models``, ``/v1/models/{id}``)."""
+    return {"id": state.served_model_name, "object": "model", "created": state.created_unix_s,
+            "owned_by": "inferq", "root": state.source_name, "parent": None, "max_model_len": state.max_model_len}
 
 
 def run(gateway: GatewaySettings, redis: RedisSettings, model: ModelSettings, source: ModelSource,

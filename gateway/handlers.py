@@ -2,9 +2,11 @@
 one JSON body or an SSE stream (docs/architecture.md, "One request, step by step").
 
 Order of checks, cheap before expensive: auth (401), body size (413), body (400: types,
-list limits), model (404), X-Request-Id (400), prompt characters (400, before tokenizing),
-tokenizing (503 past its time budget), prompt tokens (400), relay subscribed (503), queue
-depth (429/503), XADD (503). docs/operations.md, "Limits", lists every limit.
+list limits, tool fields, at most one structured-output constraint), model (404),
+X-Request-Id (400), prompt characters (400, before tokenizing), tokenizing (503 past its
+time budget), prompt tokens (400), the structured output's grammar (400, on the encode pool:
+gateway/structured.py), sampling parameters (400), relay subscribed (503), queue depth
+(429/503), XADD (503). docs/operations.md, "Limits", lists every limit.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from gateway.schemas import (
 )
 from gateway.state import GatewayState
 from gateway.tokenize import check_prompt_tokens
+from gateway.tool_parser import ToolCallStream, parse_tool_calls
+from gateway.tools import template_messages, template_renders_tools
 from shared.protocol import GenerateRequest
 from shared.sampling import SamplingParams
 
@@ -122,8 +126,13 @@ async def handle_generate(state: GatewayState, request: Request, *, chat: bool) 
             raise OpenAIError(404, f"the model {req.model!r} does not exist", param="model", code="model_not_found")
         request_id = make_request_id(request, "chatcmpl-" if chat else "cmpl-")
         max_len = state.max_model_len
+        tool_calls: ToolCallStream | None = None  # the output's tool-call parser (gateway/tool_parser.py)
         if isinstance(req, ChatCompletionRequest):
-            prompt_ids = await state.tokenizer.chat_prompt([m.to_template() for m in req.messages], max_len)
+            renders_tools = template_renders_tools(getattr(state.tokenizer.tokenizer, "chat_template", None))
+            messages, tools = template_messages([m.to_template() for m in req.messages], req.template_tools(),
+                                                renders_tools)
+            prompt_ids = await state.tokenizer.chat_prompt(messages, max_len, tools=tools)
+            tool_calls = ToolCallStream(req.max_num_tool_calls) if req.parses_tool_calls else None
             param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             max_tokens = resolve_max_tokens(req.requested_max_tokens, None, len(prompt_ids), max_len,
                                             "messages", param)
@@ -131,7 +140,10 @@ async def handle_generate(state: GatewayState, request: Request, *, chat: bool) 
             prompt_ids = await state.tokenizer.completion_prompt(req.prompt, max_len)
             max_tokens = resolve_max_tokens(req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, len(prompt_ids),
                                             max_len, "prompt", "max_tokens")
-        params = req.sampling_params(max_tokens)
+        constraint = req.constraint()
+        structured = None if constraint is None else await state.tokenizer.run_blocking(
+            constraint.build, param=constraint.param, action="checking", code="structured_output_timeout")
+        params = req.sampling_params(max_tokens, vocab_size=state.tokenizer.vocab_size, structured=structured)
         gen = await submit(state, request, request_id, prompt_ids, params, req.stop_strings, arrival_s,
                            poll_disconnect=not req.stream)
     except OpenAIError as exc:
@@ -140,10 +152,10 @@ async def handle_generate(state: GatewayState, request: Request, *, chat: bool) 
     shape = ResponseShape(request_id, state.served_model_name, int(time.time()), chat)
     headers = {"X-Request-Id": request_id}
     if req.stream:
-        return GenerationStream(gen, stream_events(gen, shape, len(prompt_ids), req.include_usage),
+        return GenerationStream(gen, stream_events(gen, shape, len(prompt_ids), req.include_usage, tool_calls),
                                 media_type="text/event-stream",
                                  headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return await full_response(gen, shape, len(prompt_ids), headers)
+    return await full_response(gen, shape, len(prompt_ids), headers, tool_calls)
 
 
 class GenerationStream(StreamingResponse):
@@ -205,8 +217,9 @@ async def submit(state: GatewayState, request: Request, request_id: str, prompt_
 
 
 async def full_response(gen: Generation, shape: ResponseShape, num_prompt_tokens: int,
-                        headers: dict[str, str]) -> Response:
-    """Wait for the whole output and answer one JSON body (or the error)."""
+                        headers: dict[str, str], tool_calls: ToolCallStream | None = None) -> Response:
+    """Wait for the whole output and answer one JSON body (or the error); with
+    ``tool_calls``, the text is parsed into ``tool_calls`` and content."""
     try:
         text = await gen.result()
     except OpenAIError as exc:
@@ -215,12 +228,34 @@ async def full_response(gen: Generation, shape: ResponseShape, num_prompt_tokens
         return Response(status_code=499)
     finally:
         gen.close()
-    body = shape.body(text, gen.finish_reason, usage(num_prompt_tokens, gen.num_output_tokens))
+    content: str | None = text
+    calls: list[dict[str, Any]] = []
+    if tool_calls is not None:
+        content, calls = parse_tool_calls(text, tool_calls.max_num_calls)
+    body = shape.body(content, _finish_reason(gen.finish_reason, bool(calls)),
+                      usage(num_prompt_tokens, gen.num_output_tokens), calls)
     return JSONResponse(body, headers=headers)
 
 
+def _finish_reason(finish_reason: str | None, called: bool) -> str | None:
+    """``tool_calls`` for an output that ended by itself after calling a tool (vLLM's rule)."""
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason
+
+
+def _tool_step_events(shape: ResponseShape, calls: ToolCallStream, text: str, finish_reason: str | None) -> bytes:
+    """The SSE events of one step when its text is parsed for tool calls: content and
+    tool-call deltas as they become known, then the finish_reason chunk."""
+    events = calls.feed(text)
+    if finish_reason is not None:
+        events += calls.finish()
+    out = [shape.chunk_event(e) if isinstance(e, str) else shape.delta_event({"tool_calls": [e]}) for e in events]
+    if finish_reason is not None:
+        out.append(shape.chunk_event("", _finish_reason(finish_reason, calls.num_calls > 0)))
+    return b"".join(out)
+
+
 async def stream_events(gen: Generation, shape: ResponseShape, num_prompt_tokens: int,
-                        include_usage: bool) -> AsyncIterator[bytes]:
+                        include_usage: bool, tool_calls: ToolCallStream | None = None) -> AsyncIterator[bytes]:
     """SSE body: chunks as text becomes final, the finish_reason chunk, the usage chunk
     when asked, then ``[DONE]``. Steps that arrived while the previous write was under
     way go out in one write, one event each. An error mid-stream is an
@@ -231,7 +266,10 @@ async def stream_events(gen: Generation, shape: ResponseShape, num_prompt_tokens
         if first is not None:
             yield sse_event(first)
         async for steps in gen.updates():
-            yield b"".join([shape.chunk_event(s.text, s.finish_reason) for s in steps])
+            if tool_calls is None:
+                yield b"".join([shape.chunk_event(s.text, s.finish_reason) for s in steps])
+            else:
+                yield b"".join([_tool_step_events(shape, tool_calls, s.text, s.finish_reason) for s in steps])
         usage_event = b""
         if include_usage:
             usage_event = sse_event(shape.usage_chunk(usage(num_prompt_tokens, gen.num_output_tokens)))

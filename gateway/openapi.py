@@ -18,9 +18,11 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from gateway.schemas import REQUEST_ID_PATTERN, ChatCompletionRequest, CompletionRequest
+from gateway.tokenizer_routes import DetokenizeRequest, TokenizeRequest
 
 _REF_TEMPLATE = "#/components/schemas/{model}"
-_BODY_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest)
+_BODY_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest, TokenizeRequest,
+                                             DetokenizeRequest)
 
 
 class ErrorObject(BaseModel):
@@ -94,6 +96,17 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 class Health(BaseModel):
     status: Literal["ok"]
     relay_subscribed: bool
@@ -107,7 +120,8 @@ _ERRORS = {
     413: "Body larger than the gateway's max_body_bytes",
     429: "Queue full (Retry-After says when to retry)",
     500: "The worker aborted the request",
-    503: "Redis or the reply channel is unavailable, or tokenizing the prompt overran its time budget",
+    503: "Redis or the reply channel is unavailable, or tokenizing the prompt (or checking its structured "
+         "output) overran its time budget",
     504: "The request's deadline passed",
 }
 
@@ -127,6 +141,12 @@ def generation_responses(model: type[BaseModel]) -> dict[int | str, dict[str, An
     return {200: ok, **error_responses(400, 401, 404, 409, 413, 429, 500, 503, 504)}
 
 
+def body_extra(body: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra=`` of an endpoint that reads the raw request: its JSON body."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": _REF_TEMPLATE.format(model=body.__name__)}}}}}
+
+
 def generation_extra(body: type[BaseModel]) -> dict[str, Any]:
     """``openapi_extra=`` of a generation endpoint: its JSON body and X-Request-Id."""
     request_id = {"name": "X-Request-Id", "in": "header", "required": False,
@@ -134,9 +154,7 @@ def generation_extra(body: type[BaseModel]) -> dict[str, Any]:
                                  "in flight is a 409",
                   # ECMA-262 ``$`` (JSON Schema) matches only at the very end: no trailing newline.
                   "schema": {"type": "string", "pattern": f"^{REQUEST_ID_PATTERN}$"}}
-    return {"parameters": [request_id],
-            "requestBody": {"required": True, "content": {"application/json": {
-                "schema": {"$ref": _REF_TEMPLATE.format(model=body.__name__)}}}}}
+    return {"parameters": [request_id], **body_extra(body)}
 
 
 def install_openapi(app: FastAPI) -> None:

@@ -53,11 +53,14 @@ class ResponseShape:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created_unix_s, "model": self.model}
 
-    def body(self, text: str, finish_reason: str | None, usage_: dict[str, int]) -> dict[str, Any]:
-        """The non-streaming response body."""
+    def body(self, text: str | None, finish_reason: str | None, usage_: dict[str, int],
+             tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The non-streaming response body (chat ``tool_calls``: gateway/tool_parser.py)."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish_reason}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
             return {**self._head("chat.completion"), "choices": [choice], "usage": usage_}
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         return {**self._head("text_completion"), "choices": [choice], "usage": usage_}
@@ -85,6 +88,11 @@ class ResponseShape:
         if finish_reason is None:
             return self._text_head + _json_encode(text) + self._text_tail
         return sse_event(self.chunk(text, finish_reason))
+
+    def delta_event(self, delta: dict[str, Any]) -> bytes:
+        """A chat stream chunk with ``delta`` as given (a tool-call delta), as an SSE event."""
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+        return sse_event({**self._head("chat.completion.chunk"), "choices": [choice]})
 
     def usage_chunk(self, usage_: dict[str, int]) -> dict[str, Any]:
         """The final ``choices: []`` chunk of ``stream_options.include_usage``."""

@@ -3,10 +3,11 @@
 
 Types are strict, as OpenAI's are: ``"stream": "yes"``, ``"max_tokens": "16"`` and
 ``"prompt": [true, 2]`` are refused rather than coerced (JSON integers are accepted for
-float fields). Unknown fields are ignored, as OpenAI-compatible servers do. Fields that
-inferq does not implement yet (``logprobs``, ``echo``, ``n > 1``) are refused with a 400
-rather than silently ignored. List fields are bounded (``MAX_NUM_*`` below; the
-character bound of prompts is in gateway/tokenize.py); docs/operations.md lists every limit.
+float fields). Unknown fields are ignored, as OpenAI-compatible servers do (the
+structured-output objects of gateway/structured.py refuse them). Fields that inferq does
+not implement yet (``logprobs``, ``echo``, ``n > 1``) are refused with a 400 rather than
+silently ignored. List fields are bounded (``MAX_NUM_*`` below; the character bound of
+prompts is in gateway/tokenize.py); docs/operations.md lists every limit.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.errors import OpenAIError, validation_error
-from shared.sampling import InvalidParameter, SamplingParams
+from gateway.structured import Constraint, StructuredFields
+from gateway.tools import ToolCall, ToolFields
+from shared.sampling import MAX_LOGIT_BIAS, InvalidParameter, SamplingParams, StructuredOutput
 
 #: Default ``max_tokens`` of /v1/completions: OpenAI's, which ``SamplingParams`` also uses.
 DEFAULT_COMPLETION_MAX_TOKENS = SamplingParams().max_tokens
@@ -30,6 +33,8 @@ MAX_STOP_STRING_CHARS = 1000
 MAX_NUM_STOP_TOKEN_IDS = 256
 #: Most chat messages per request (each is converted and templated on the CPU).
 MAX_NUM_MESSAGES = 2048
+#: Most ``logit_bias`` entries per request (every worker step adds them to the logits).
+MAX_NUM_LOGIT_BIAS = 1024
 #: ``X-Request-Id``: matched whole (``re.fullmatch``; a pattern ending in ``$`` would also
 #: match before a trailing newline). The OpenAPI schema anchors it with ``^...$``.
 REQUEST_ID_PATTERN = r"[A-Za-z0-9._:\-]{1,128}"
@@ -45,8 +50,9 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = False
 
 
-class _SamplingFields(BaseModel):
-    """Fields shared by both endpoints (OpenAI's plus vLLM's sampling extras)."""
+class _SamplingFields(StructuredFields):
+    """Fields shared by both endpoints (OpenAI's plus vLLM's sampling extras, and the
+    structured-output fields of gateway/structured.py)."""
 
     # JSON has no NaN or Infinity; pydantic would parse them, and the range checks of
     # ``SamplingParams.validate`` let an infinite penalty through to the sampler.
@@ -69,7 +75,8 @@ class _SamplingFields(BaseModel):
     n: int | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
+    user: str | None = None  # accepted and ignored (OpenAI: for abuse monitoring)
 
     @property
     def stop_strings(self) -> list[str]:
@@ -83,11 +90,17 @@ class _SamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def check_common(self) -> None:
-        """Refuse what inferq does not support and lists over their limits.
+        """Refuse what inferq does not support, lists over their limits and more than one
+        structured-output constraint (cheap checks; the grammar is checked later, off the
+        event loop: gateway/structured.py).
 
         Raises:
             OpenAIError: 400 naming the field.
         """
+        self.constraint()
+        if self.logit_bias is not None and len(self.logit_bias) > MAX_NUM_LOGIT_BIAS:
+            raise OpenAIError(400, f"logit_bias takes at most {MAX_NUM_LOGIT_BIAS} tokens, got "
+                              f"{len(self.logit_bias)}", param="logit_bias")
         if self.n not in (None, 1):
             raise OpenAIError(400, "only n=1 is supported", param="n")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
@@ -102,9 +115,12 @@ class _SamplingFields(BaseModel):
             raise OpenAIError(400, f"stop_token_ids takes at most {MAX_NUM_STOP_TOKEN_IDS} ids, got "
                               f"{len(self.stop_token_ids)}", param="stop_token_ids")
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """Build and validate the sampling parameters with the resolved ``max_tokens``;
-        fields the request leaves out (or sets to null) keep ``SamplingParams``' defaults.
+    def sampling_params(self, max_tokens: int, *, vocab_size: int | None = None,
+                        structured: StructuredOutput | None = None) -> SamplingParams:
+        """Build and validate the sampling parameters with the resolved ``max_tokens`` and
+        the already checked ``structured`` output (``Constraint.build``); fields the
+        request leaves out (or sets to null) keep ``SamplingParams``' defaults.
+        ``logit_bias`` token ids must be below ``vocab_size`` (None: not checked).
 
         Raises:
             OpenAIError: 400 naming the first out-of-range field.
@@ -115,6 +131,8 @@ class _SamplingFields(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
+            structured=structured,
+            logit_bias=self._logit_bias(vocab_size),
             **{name: value for name, value in given.items() if value is not None},
         )
         try:
@@ -122,6 +140,23 @@ class _SamplingFields(BaseModel):
         except InvalidParameter as exc:
             raise OpenAIError(400, str(exc), param=exc.param) from exc
         return params
+
+    def _logit_bias(self, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as sorted ``(token_id, bias)`` pairs (JSON keys are strings).
+
+        Raises:
+            OpenAIError: 400 ``logit_bias``: a key that is not a token id (decimal, below
+                ``vocab_size``) or names one twice.
+        """
+        pairs: dict[int, float] = {}
+        for key, bias in (self.logit_bias or {}).items():
+            token_id = int(key) if key.isascii() and key.isdigit() and len(key) < 20 else -1
+            if token_id < 0 or (vocab_size is not None and token_id >= vocab_size) or token_id in pairs:
+                where = "" if vocab_size is None else f" in [0, {vocab_size})"
+                raise OpenAIError(400, f"logit_bias: {key[:40]!r} is not a token id{where}, or a repeated one",
+                                  param="logit_bias")
+            pairs[token_id] = float(bias)
+        return tuple(sorted(pairs.items()))
 
 
 #: Request fields that map one to one onto ``SamplingParams`` fields, None meaning "default".
@@ -162,13 +197,23 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages only
+    tool_call_id: str | None = None  # tool messages only (required there)
 
     def to_template(self) -> dict[str, Any]:
-        """The message as the chat template expects it (text content only).
+        """The message as the chat template expects it (text content only; an assistant's
+        ``tool_calls`` with their arguments as JSON values, as vLLM passes them).
 
         Raises:
-            OpenAIError: 400 for non-text content parts.
+            OpenAIError: 400 for non-text content parts, ``tool_calls`` outside an
+                assistant message, a tool message without ``tool_call_id``, arguments
+                that are not JSON.
         """
+        if self.tool_calls is not None and self.role != "assistant":
+            raise OpenAIError(400, f"messages: tool_calls is only for assistant messages, not {self.role}",
+                              param="messages")
+        if self.role == "tool" and not self.tool_call_id:
+            raise OpenAIError(400, "messages: a tool message needs its tool_call_id", param="messages")
         content = self.content
         if isinstance(content, list):
             texts = []
@@ -180,11 +225,16 @@ class ChatMessage(BaseModel):
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": c.arguments_value()}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
-class ChatCompletionRequest(_SamplingFields):
-    """Body of ``POST /v1/chat/completions``."""
+class ChatCompletionRequest(ToolFields, _SamplingFields):
+    """Body of ``POST /v1/chat/completions`` (tool fields: gateway/tools.py)."""
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
@@ -194,6 +244,7 @@ class ChatCompletionRequest(_SamplingFields):
     def check(self) -> None:
         """Refuse unsupported fields, lists over their limits and empty or too long
         conversations (400)."""
+        self.check_tools()
         self.check_common()
         if self.logprobs:
             raise OpenAIError(400, "logprobs is not supported yet", param="logprobs")
@@ -202,6 +253,20 @@ class ChatCompletionRequest(_SamplingFields):
         if len(self.messages) > MAX_NUM_MESSAGES:
             raise OpenAIError(400, f"messages takes at most {MAX_NUM_MESSAGES} messages, got {len(self.messages)}",
                               param="messages")
+
+    def constraint(self) -> Constraint | None:
+        """The structured-output constraint, or the grammar that forces a tool call
+        (``tool_choice`` ``required`` or a named function; gateway/tools.py).
+
+        Raises:
+            OpenAIError: 400 when both are asked for, or as ``StructuredFields.constraint``.
+        """
+        constraint, forcing = super().constraint(), self.tool_constraint()
+        if constraint is not None and forcing is not None:
+            raise OpenAIError(400, f"{constraint.param} cannot be combined with tool_choice "
+                              f"{self.effective_tool_choice!r}, which constrains the output to a tool call",
+                              param="tool_choice")
+        return forcing or constraint
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -150,19 +150,23 @@ class TokenizerWorker:
         self.num_encode_threads = num_encode_threads or default_num_encode_threads()
         self._encode_pool = ThreadPoolExecutor(self.num_encode_threads, thread_name_prefix="inferq-encode")
 
-    async def _run_encode(self, fn: Callable[..., T], *args: Any, param: str) -> T:
-        """Run ``fn(*args)`` on the encode pool within the time budget.
+    async def run_blocking(self, fn: Callable[..., T], *args: Any, param: str, action: str = "tokenizing",
+                           code: str = "tokenize_timeout") -> T:
+        """Run ``fn(*args)`` on the encode pool within the time budget (``encode_timeout_s``,
+        waiting for a thread included): tokenizing, and other CPU work on a request's
+        fields such as checking a structured-output schema (gateway/structured.py).
 
         Raises:
-            OpenAIError: 503 past ``encode_timeout_s`` (a queued encode is dropped).
+            OpenAIError: 503 ``code`` past ``encode_timeout_s`` (a queued call is
+                dropped), naming ``param``; whatever ``fn`` raises.
         """
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(self._encode_pool, fn, *args)
         try:
             return await asyncio.wait_for(future, self.encode_timeout_s)
         except TimeoutError:
-            raise OpenAIError(503, f"tokenizing the {param} took longer than {self.encode_timeout_s:g} s",
-                              param=param, code="tokenize_timeout") from None
+            raise OpenAIError(503, f"{action} the {param} took longer than {self.encode_timeout_s:g} s",
+                              param=param, code=code) from None
 
     def close(self) -> None:
         """Stop the threads: queued encodes are dropped."""
@@ -195,7 +199,7 @@ class TokenizerWorker:
             prompt = prompt[0]
         if isinstance(prompt, str):
             self.check_prompt_chars(len(prompt), max_model_len, "prompt")
-            ids = await self._run_encode(self.encode, prompt, True, max_model_len, param="prompt")
+            ids = await self.run_blocking(self.encode, prompt, True, max_model_len, param="prompt")
         else:
             check_prompt_tokens(len(prompt), max_model_len, "prompt")
             ids = [int(t) for t in prompt]
@@ -207,18 +211,24 @@ class TokenizerWorker:
             raise OpenAIError(400, "prompt must not be empty", param="prompt")
         return ids
 
-    async def chat_prompt(self, messages: list[dict[str, Any]], max_model_len: int) -> list[int]:
-        """Token ids of a conversation with the chat template and the generation prompt.
+    async def chat_prompt(self, messages: list[dict[str, Any]], max_model_len: int | None, *,
+                          add_generation_prompt: bool = True, add_special_tokens: bool = False,
+                          tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a conversation with the chat template and (by default) the
+        generation prompt; special tokens are the template's own unless
+        ``add_special_tokens`` (vLLM's ``/tokenize`` option). ``tools`` go to the template
+        as its ``tools`` variable (gateway/tools.py ``template_messages`` decides whether).
 
-        The template is rendered to text first; text that cannot fit ``max_model_len`` is
-        refused before it is encoded.
+        The template is rendered to text first; text that cannot fit ``max_model_len``
+        (None: no bound) is refused before it is encoded.
 
         Raises:
             OpenAIError: 400 when the template rejects the conversation, or it is empty or
                 too long; 503 when templating and encoding overran their time budget.
         """
         try:
-            ids = await self._run_encode(self._apply_template, messages, max_model_len, param="messages")
+            ids = await self.run_blocking(self._apply_template, messages, max_model_len, add_generation_prompt,
+                                          add_special_tokens, tools, param="messages")
         except OpenAIError:
             raise
         except Exception as exc:  # jinja2.TemplateError, ValueError: the template said no
@@ -227,14 +237,18 @@ class TokenizerWorker:
             raise OpenAIError(400, "messages produced an empty prompt", param="messages")
         return ids
 
-    def _apply_template(self, messages: list[dict[str, Any]], max_model_len: int) -> list[int]:
+    def _apply_template(self, messages: list[dict[str, Any]], max_model_len: int | None,
+                        add_generation_prompt: bool, add_special_tokens: bool,
+                        tools: list[dict[str, Any]] | None = None) -> list[int]:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise OpenAIError(400, "this model has no chat template; use /v1/completions", param="messages")
         # What apply_chat_template(tokenize=True) does, with the length check in between:
-        # the template writes the special tokens itself, so none are added.
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        self.check_prompt_chars(len(text), max_model_len, "messages")
-        return self.encode(text, False, max_model_len, "messages")
+        # the template writes the special tokens itself, so by default none are added.
+        text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False)
+        if max_model_len is not None:
+            self.check_prompt_chars(len(text), max_model_len, "messages")
+        return self.encode(text, add_special_tokens, max_model_len, "messages")
 
     def encode(self, text: str, add_special_tokens: bool, max_model_len: int | None = None,
                param: str = "prompt") -> list[int]:

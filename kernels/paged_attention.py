@@ -13,6 +13,8 @@ FlashAttention-2's ``flash_attn_varlen_func`` with a block table (Dao, 2023).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -95,7 +97,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if out is None:
         out = torch.empty_like(q)
     starts = query_start_loc.tolist()
-    q_lens = query_lens_cpu if query_lens_cpu is not None else [b - a for a, b in zip(starts, starts[1:])]
+    q_lens = query_lens_cpu if query_lens_cpu is not None else [b - a for a, b in itertools.pairwise(starts)]
     s_lens = seq_lens_cpu if seq_lens_cpu is not None else seq_lens.tolist()
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     gqa = num_heads != num_kv_heads

@@ -9,6 +9,8 @@ import msgspec
 
 #: What a structured output is constrained by (docs/architecture.md, "Structured outputs").
 StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+#: Largest ``logit_bias`` magnitude (OpenAI's range is [-100, 100]).
+MAX_LOGIT_BIAS = 100.0
 
 
 class InvalidParameter(ValueError):
@@ -25,8 +27,11 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
     ``spec`` by ``kind``: ``json_schema``, the schema as canonical JSON text (sorted
     keys, so equal schemas share one compiled grammar); ``json_object``, empty (any JSON
     object); ``regex``, the pattern; ``choice``, a JSON list of the allowed strings;
-    ``grammar``, an EBNF grammar (GBNF syntax, as in llama.cpp and vLLM). ``strict``
-    forbids object properties the schema does not name (OpenAI's ``strict: true``).
+    ``grammar``, a GBNF (llama.cpp, vLLM) or llguidance Lark grammar. ``strict``
+    forbids object properties the schema does not name, in every object that lists
+    ``properties`` (or ``patternProperties``) and says nothing of ``additionalProperties``
+    (OpenAI's ``strict: true`` requires ``additionalProperties: false`` there); either way
+    the output matches the schema (``shared.grammars.close_objects``).
     """
 
     kind: StructuredKind
@@ -43,6 +48,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     reproducible on its own. ``stop_token_ids`` end the request like EOS does (the
     stop token is included in the output ids and, like EOS, hidden from the text).
     Stop *strings* are applied by the gateway, which owns detokenization.
+    ``logit_bias`` is ``(token_id, bias)`` pairs, sorted by id, each added to that token's
+    logit before penalties and sampling (OpenAI's ``logit_bias``: -100 bans, +100 forces).
     """
 
     max_tokens: int = 16
@@ -58,6 +65,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     structured: StructuredOutput | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def validate(self) -> None:
         """Check every field.
@@ -77,6 +85,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "presence_penalty must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "frequency_penalty must be in [-2, 2]"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "stop_token_ids must be >= 0"),
+            (all(t >= 0 and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for t, b in self.logit_bias), "logit_bias",
+             f"logit_bias maps token ids >= 0 to biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"),
         ]
         for ok, param, message in checks:
             if not ok:

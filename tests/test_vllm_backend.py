@@ -185,3 +185,5 @@ def test_sampling_parameters_map_to_vllms() -> None:
     assert v.output_kind == RequestOutputKind.DELTA and not v.detokenize
     assert vllm_sampling(SamplingParams(top_k=40, min_tokens=4)).top_k == 40
     assert vllm_sampling(SamplingParams(min_tokens=4), num_resumed=1).min_tokens == 3
+    assert vllm_sampling(SamplingParams(logit_bias=((5, 100.0), (9, -100.0)))).logit_bias == {5: 100.0, 9: -100.0}
+    assert vllm_sampling(SamplingParams()).logit_bias is None

@@ -18,6 +18,11 @@ How our calls map onto vLLM's:
   and ``min_tokens`` reduced by what was delivered; its first new token has index
   ``len(output_token_ids)``. Greedy resumes are exact; presence/frequency penalties and
   seeded sampling see the delivered outputs as prompt, so sampled resumes may differ.
+  A structured output becomes vLLM's ``StructuredOutputsParams`` (``vllm_structured``),
+  enforced by vLLM's llguidance backend (``guidance``, compact JSON), the grammar engine
+  ours uses. vLLM cannot start a grammar part-way (the delivered outputs would be prompt
+  there and the grammar would start again after them), so a structured request resumed
+  after delivered outputs is rejected rather than continued off its grammar.
 - ``step``: ``LLMEngine.step()``; each ``RequestOutput`` gives the request's new token
   ids (stop and EOS tokens included, as in our engine) and finish reason.
 - ``abort``: ``LLMEngine.abort_request``, which frees the request's KV blocks at once.
@@ -39,13 +44,15 @@ a multiple of 32: any other size (our default 16 included) gives vLLM's CPU defa
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from shared.grammars import close_objects
 from shared.model_source import ModelSource, max_model_len
 from shared.protocol import FinishReason
-from shared.sampling import SamplingParams
+from shared.sampling import SamplingParams, StructuredOutput
 from shared.settings import EngineSettings, ModelSettings
 from worker.backends.base import EngineStats, RequestOutput, RequestRejected, check_request
 
@@ -117,7 +124,46 @@ def engine_args(source: ModelSource, model: ModelSettings, engine: EngineSetting
         block_size=vllm_block_size(engine.block_size, on_cpu), enable_prefix_caching=engine.enable_prefix_caching,
         enforce_eager=engine.enforce_eager, gpu_memory_utilization=engine.gpu_memory_utilization,
         kv_cache_memory_bytes=engine.kv_cache_bytes if on_cpu else None,
-        num_gpu_blocks_override=engine.num_kv_blocks or None, disable_log_stats=False)
+        num_gpu_blocks_override=engine.num_kv_blocks or None, disable_log_stats=False,
+        structured_outputs_config=structured_outputs_config())
+
+
+def structured_outputs_config() -> Any:
+    """vLLM's structured-output settings that match our engine's grammars
+    (``shared.grammars.grammar_for``): llguidance (vLLM's ``guidance`` backend) and JSON
+    without free whitespace (``whitespace_flexible: false``)."""
+    from vllm.config import StructuredOutputsConfig
+
+    return StructuredOutputsConfig(backend="guidance", disable_any_whitespace=True)
+
+
+def vllm_structured(structured: StructuredOutput) -> Any:
+    """Our structured output as vLLM's ``StructuredOutputsParams``: ``json_schema`` as
+    ``json`` (closed by ``close_objects`` when ``strict`` and without the schema's own
+    llguidance options, as ``shared.grammars.grammar_for`` builds it), ``json_object``,
+    ``regex``, ``choice`` (the list) and ``grammar`` (GBNF or Lark, converted by vLLM as
+    by us).
+
+    Raises:
+        ValueError: a spec that is not valid JSON where JSON is expected, or a schema
+            that is not an object.
+    """
+    from vllm.sampling_params import StructuredOutputsParams
+
+    kind, spec = structured.kind, structured.spec
+    if kind == "json_schema":
+        schema = json.loads(spec)
+        if not isinstance(schema, dict):
+            raise ValueError("a JSON schema must be an object")
+        schema = {k: v for k, v in schema.items() if k != "x-guidance"}
+        return StructuredOutputsParams(json=close_objects(schema) if structured.strict else schema)
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "regex":
+        return StructuredOutputsParams(regex=spec)
+    if kind == "choice":
+        return StructuredOutputsParams(choice=json.loads(spec))
+    return StructuredOutputsParams(grammar=spec)
 
 
 def vllm_sampling(sampling: SamplingParams, num_resumed: int = 0) -> vllm.SamplingParams:
@@ -125,6 +171,9 @@ def vllm_sampling(sampling: SamplingParams, num_resumed: int = 0) -> vllm.Sampli
     already delivered (they count against ``max_tokens`` and ``min_tokens``).
 
     Deltas only (``RequestOutputKind.DELTA``) and no detokenization.
+
+    Raises:
+        ValueError: a structured output spec that is not valid JSON where JSON is expected.
     """
     from vllm import SamplingParams as VllmSamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -135,7 +184,9 @@ def vllm_sampling(sampling: SamplingParams, num_resumed: int = 0) -> vllm.Sampli
         min_p=sampling.min_p, seed=sampling.seed, stop_token_ids=list(sampling.stop_token_ids),
         ignore_eos=sampling.ignore_eos, repetition_penalty=sampling.repetition_penalty,
         presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
-        detokenize=False, skip_special_tokens=False, output_kind=RequestOutputKind.DELTA)
+        logit_bias=dict(sampling.logit_bias) or None,
+        detokenize=False, skip_special_tokens=False, output_kind=RequestOutputKind.DELTA,
+        structured_outputs=None if sampling.structured is None else vllm_structured(sampling.structured))
 
 
 def _counting_logger(counters: _Counters) -> Any:
@@ -206,7 +257,8 @@ class VllmBackend:
 
         Raises:
             RequestRejected: empty or too long prompt, bad parameters, token ids out of
-                the vocabulary, duplicate id, or a resumed request with nothing left.
+                the vocabulary, duplicate id, a resumed request with nothing left, a
+                structured output vLLM refuses, or one resumed after delivered outputs.
         """
         outputs = list(output_token_ids or ())
         self._check(request_id, prompt_token_ids, sampling, len(outputs))
@@ -229,6 +281,8 @@ class VllmBackend:
         check_request(prompt_token_ids, sampling, num_resumed, self.max_model_len)
         if request_id in self._requests:
             raise RequestRejected(f"request {request_id} is already running")
+        if sampling.structured is not None and num_resumed:
+            raise RequestRejected("the vllm backend cannot resume a structured output after delivered tokens")
 
     def abort(self, request_id: str) -> bool:
         """Abort a request in vLLM (its KV blocks are freed now); False when unknown.

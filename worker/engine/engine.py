@@ -6,6 +6,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
+from functools import partial
 
 import torch
 
@@ -19,6 +20,8 @@ from worker.engine.request import Request
 from worker.engine.scheduler import Scheduler, SchedulerOutput
 from worker.models.config import ModelConfig
 from worker.models.loader import build_model
+from worker.structured.cache import GrammarCache
+from worker.structured.tokenizer import build_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +97,10 @@ class LLMEngine:
                                                 self.engine_settings.enable_prefix_caching),
                                    self.engine_settings.max_num_seqs, self.engine_settings.max_num_batched_tokens)
         self.eos_token_ids = eos_token_ids(source.config)
+        # Structured outputs: the llguidance tokenizer is built on the first such request.
+        self.grammars = GrammarCache(
+            partial(build_tokenizer, source.path, self.model_config.vocab_size, self.eos_token_ids)
+            if source.path is not None and source.has_tokenizer else None)
         # The decode step enqueued on the GPU and not yet applied (async scheduling).
         self._inflight: tuple[SchedulerOutput, DecodeLaunch] | None = None
         self.num_async_steps = 0  # decode steps enqueued behind one still in flight
@@ -107,27 +114,40 @@ class LLMEngine:
         already delivered (failover): they count against ``max_tokens`` and the next
         token's index is ``len(output_token_ids)``.
 
+        A structured output (``sampling.structured``) gets its grammar matcher here, from
+        the compiled-grammar cache, advanced past ``output_token_ids``.
+
         Raises:
-            RequestRejected: empty or too long prompt, bad parameters, duplicate id, or
-                a resumed request with nothing left to generate.
+            RequestRejected: empty or too long prompt, bad parameters, duplicate id, a
+                resumed request with nothing left to generate, or a structured output
+                that does not compile (or whose resumed tokens it rejects).
         """
         outputs = list(output_token_ids or ())
         check_request(prompt_token_ids, sampling, len(outputs), self.max_model_len)
         all_ids = [*prompt_token_ids, *outputs]
+        if any(t >= self.model_config.vocab_size for t, _ in sampling.logit_bias):  # negative: validate()
+            raise RequestRejected("logit_bias token id out of the vocabulary")
         if max(all_ids) >= self.model_config.vocab_size or min(all_ids) < 0:
             raise RequestRejected("token id out of the vocabulary")
         try:
+            grammar = None if sampling.structured is None else self.grammars.matcher(sampling.structured, outputs)
             self.scheduler.add(Request(request_id, list(prompt_token_ids), sampling, self.eos_token_ids,
-                                       token_ids=all_ids))
-        except ValueError as exc:
+                                       token_ids=all_ids, grammar=grammar))
+        except ValueError as exc:  # InvalidGrammar, or the scheduler's checks
             raise RequestRejected(str(exc)) from exc
 
     def abort(self, request_id: str) -> bool:
         """Finish a request now and free its blocks; returns False if it is unknown."""
         request = self.scheduler.abort(request_id)
         if request is not None:
-            self.runner.sampler.free(request_id)
+            self._free(request)
         return request is not None
+
+    def _free(self, request: Request) -> None:
+        """Drop what a finished request holds outside the scheduler: its seeded generator
+        and its grammar matcher."""
+        self.runner.sampler.free(request.request_id)
+        request.grammar = None
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or self._inflight is not None
@@ -161,17 +181,18 @@ class LLMEngine:
     def _apply(self, out: SchedulerOutput, sampled: list[int | None]) -> list[RequestOutput]:
         results, finished = self.scheduler.update(out, sampled)
         for request in finished:
-            self.runner.sampler.free(request.request_id)
+            self._free(request)
         return [RequestOutput(r.request.request_id, r.new_token_ids, r.first_index, r.request.finish_reason,
                               r.request.num_prompt_tokens, r.request.num_cached_tokens) for r in results]
 
     def _async_decode_ok(self, out: SchedulerOutput) -> bool:
         """A step the async path may run: every item one sampled decode token, through
-        the graphs, with no request that needs its token history on the host."""
+        the graphs, with no request that needs its token history on the host (penalties)
+        or its previous token applied before its next mask (a grammar)."""
         return (self.engine_settings.async_scheduling and self.runner.can_launch_decode(len(out.scheduled))
                 and not out.preempted
                 and all(item.num_tokens == 1 and item.samples and not item.request.sampling.needs_penalties
-                        for item in out.scheduled))
+                        and item.request.grammar is None for item in out.scheduled))
 
     def _finish_inflight(self) -> list[RequestOutput]:
         """Enqueue the next decode step when it can follow the one in flight, then wait

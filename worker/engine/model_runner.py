@@ -6,7 +6,9 @@ How a batch changes form:
     positions | slots | logits indices; int32 block tables | query_start_loc | seq_lens
  -> two host-to-device copies, views of them                      (tensors, model device)
  -> model forward over [num_tokens] -> hidden [num_tokens, H]
- -> hidden[logits_indices] -> logits [num_sampled, V] float32 -> sampler -> ids (one D2H copy)
+ -> hidden[logits_indices] -> logits [num_sampled, V] float32
+ -> grammar bitmask [num_structured, V / 32] int32, filled on the host (llguidance), one H2D copy
+ -> sampler (mask applied first) -> ids (one D2H copy)
 
 On CUDA with the Triton backend and ``enforce_eager`` off, no step runs eagerly: a step
 in which every sequence has one query token and samples (a decode step) replays a decode
@@ -15,6 +17,10 @@ tokens) replays the mixed-step graph of its token-count bucket (``mixed_graphs.p
 ``mixed_cuda_graphs`` off: eager). Every Triton kernel is compiled and every graph
 captured here, at start-up, so nothing compiles while requests wait. Nothing in a step
 waits on the device except the copy of the sampled ids.
+
+Grammar masks (``worker/structured/``) are filled on the host after the step's forward
+pass and LM head are enqueued, so on CUDA they are computed while the device runs that
+step; a step without a structured request builds none.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from worker.engine.scheduler import ScheduledRequest
 from worker.models.attention import AttentionMetadata, select_backend
 from worker.models.config import ModelConfig
 from worker.models.llama import KVCache, LlamaForCausalLM
+from worker.structured.bitmask import GrammarMasks
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +99,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(self.cfg, num_blocks, self.block_size, dtype, device)
         self.backend = select_backend(settings.attention_backend, device)
         self.sampler = Sampler(device, seed)
+        self.grammar_masks = GrammarMasks(self.cfg.vocab_size, device)
         self.max_model_len = max_model_len
         self.graphs: DecodeGraphs | None = None
         self.mixed: MixedGraphs | None = None
@@ -167,10 +175,13 @@ class ModelRunner:
         return graphs.run(len(requests), max(lens), upload=False)
 
     def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-        """``Sampler.sample`` of one row of ``logits`` per request: ``[n]`` int64 ids on
-        the device, not synchronised."""
+        """``Sampler.sample`` of one row of ``logits`` per request, under the grammar
+        masks of the requests that have one: ``[n]`` int64 ids on the device, not
+        synchronised. The masks follow each grammar's host state, so a request with a
+        grammar must have had its previous token applied (no async step)."""
+        mask = self.grammar_masks.mask([r.grammar for r in requests])
         return self.sampler.sample(logits, [r.request_id for r in requests], [r.sampling for r in requests],
-                                   [r.token_ids for r in requests], [r.num_prompt_tokens for r in requests])
+                                   [r.token_ids for r in requests], [r.num_prompt_tokens for r in requests], mask)
 
     def can_launch_decode(self, n: int) -> bool:
         """True when a decode step of ``n`` sequences can run as a graph replay

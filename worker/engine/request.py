@@ -5,9 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from shared.protocol import FinishReason
 from shared.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from worker.structured.matcher import GrammarMatcher
 
 
 class RequestStatus(enum.IntEnum):
@@ -41,6 +45,9 @@ class Request:
     KV is in the cache; it catches up with ``len(token_ids)`` one chunk at a time, so
     prefill, chunked prefill, prefix-cache hits, decode and recompute after preemption
     are one path (vLLM v1). ``block_table`` lists the physical KV blocks in order.
+    ``grammar`` is the matcher of a structured output (``sampling.structured``): it has
+    consumed every output token, and each appended token advances it once (recompute after
+    preemption appends nothing, so it consumes nothing).
     """
 
     request_id: str
@@ -54,6 +61,7 @@ class Request:
     num_cached_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    grammar: GrammarMatcher | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -80,12 +88,24 @@ class Request:
         return FINISH_REASONS.get(self.status)
 
     def append_token(self, token_id: int) -> None:
-        """Add one sampled token and set a finished status if it ends the request."""
+        """Add one sampled token and set a finished status if it ends the request.
+
+        With a grammar, the token advances it first: a grammar that allows nothing more
+        but EOS (its end, or EOS consumed where it accepts) stops the request, before
+        ``min_tokens`` and with ``ignore_eos`` too; a token it rejects (which its mask
+        rules out) aborts the request.
+        """
         self.token_ids.append(token_id)
         params = self.sampling
         num_out = self.num_output_tokens
-        if num_out >= params.min_tokens and (
-                (not params.ignore_eos and token_id in self.eos_token_ids) or token_id in params.stop_token_ids):
+        grammar_ended = False
+        if self.grammar is not None:
+            if not self.grammar.accept(token_id):
+                self.status = RequestStatus.FINISHED_ABORTED
+                return
+            grammar_ended = self.grammar.is_finished
+        if grammar_ended or (num_out >= params.min_tokens and (
+                (not params.ignore_eos and token_id in self.eos_token_ids) or token_id in params.stop_token_ids)):
             self.status = RequestStatus.FINISHED_STOPPED
             return
         if num_out >= params.max_tokens:

@@ -1,5 +1,11 @@
-"""Token sampling on the model's device: greedy, temperature, top-k, top-p, min-p,
-per-request seeds, and repetition/presence/frequency penalties.
+"""Token sampling on the model's device: grammar masks, greedy, temperature, top-k,
+top-p, min-p, per-request seeds, and repetition/presence/frequency penalties.
+
+Order, as in vLLM v1 (whose model runner applies the grammar bitmask to the logits
+before its sampler runs): grammar mask (disallowed tokens to -inf, rows with a grammar
+only), then ``logit_bias``, then penalties, then temperature, top-k/top-p, min-p and
+the draw. A masked token stays at -inf through all of them, so it is never drawn, greedy
+or not.
 
 One step samples every row in a few batched tensor ops and never waits on the device:
 per-row parameters and token histories reach it through pinned, non-blocking copies
@@ -21,6 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from shared.sampling import SamplingParams
+from worker.structured.mask import TokenMask, apply_token_bitmask_, num_words
 
 
 class Sampler:
@@ -47,7 +54,9 @@ class Sampler:
         params = [kinds[i % len(kinds)] for i in range(num_rows)]
         ids = [f"warm-up-{i}" for i in range(num_rows)]
         self.sample(logits[:1].clone(), ids[:1], params[:1], [[1, 2]], [1])  # the all-greedy path
-        self.sample(logits, ids, params, [[1, 2, 2]] * num_rows, [1] * num_rows)
+        allow_all = torch.full((1, num_words(vocab_size)), -1, dtype=torch.int32, device=self.device)
+        mask = TokenMask(allow_all, torch.zeros(1, dtype=torch.int64, device=self.device))
+        self.sample(logits, ids, params, [[1, 2, 2]] * num_rows, [1] * num_rows, mask)
         for rid in ids:
             self.free(rid)
         self._generator.set_state(state)
@@ -58,12 +67,14 @@ class Sampler:
         return t.to(self.device, non_blocking=True)
 
     def __call__(self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams],
-                 token_ids: Sequence[Sequence[int]], num_prompt_tokens: Sequence[int]) -> list[int]:
+                 token_ids: Sequence[Sequence[int]], num_prompt_tokens: Sequence[int],
+                 mask: TokenMask | None = None) -> list[int]:
         """``sample`` and fetch the ids to the host (the step's one synchronisation)."""
-        return self.sample(logits, request_ids, params, token_ids, num_prompt_tokens).tolist()
+        return self.sample(logits, request_ids, params, token_ids, num_prompt_tokens, mask).tolist()
 
     def sample(self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams],
-               token_ids: Sequence[Sequence[int]], num_prompt_tokens: Sequence[int]) -> torch.Tensor:
+               token_ids: Sequence[Sequence[int]], num_prompt_tokens: Sequence[int],
+               mask: TokenMask | None = None) -> torch.Tensor:
         """Sample the next token of each row, on the logits' device, without synchronising.
 
         Args:
@@ -71,10 +82,16 @@ class Sampler:
             request_ids, params: per row.
             token_ids: per row, prompt + output so far (for penalties).
             num_prompt_tokens: per row, how many of ``token_ids`` are prompt.
+            mask: the grammar masks of the rows that have one (``GrammarMasks.mask``),
+                applied first; ``None``: no row has a grammar, nothing to do.
 
         Returns:
             ``[n]`` int64 token ids on the logits' device.
         """
+        if mask is not None:
+            apply_token_bitmask_(logits, mask)
+        if any(p.logit_bias for p in params):
+            self._apply_logit_bias(logits, params)
         if any(p.needs_penalties for p in params):
             self._apply_penalties(logits, params, token_ids, num_prompt_tokens)
         if all(p.greedy for p in params):
@@ -118,6 +135,15 @@ class Sampler:
         before = probs.cumsum(dim=-1) - probs
         sorted_logits.masked_fill_(before >= top_p.unsqueeze(1), float("-inf"))
         logits.scatter_(1, order, sorted_logits)
+
+    def _apply_logit_bias(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+        """Add each row's ``logit_bias`` to its logits (OpenAI: before sampling; here also
+        before penalties), in place, one scatter for the batch."""
+        rows = [row for row, p in enumerate(params) for _ in p.logit_bias]
+        cols = [t for p in params for t, _ in p.logit_bias]
+        bias = [b for p in params for _, b in p.logit_bias]
+        logits.index_put_((self._to_device(rows, torch.int64), self._to_device(cols, torch.int64)),
+                          self._to_device(bias, torch.float32).to(logits.dtype), accumulate=True)
 
     def _apply_penalties(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                          token_ids: Sequence[Sequence[int]], num_prompt_tokens: Sequence[int]) -> None:
