@@ -43,7 +43,8 @@ def settings() -> ModelSettings:
 def engine(source, settings):
     from worker.engine.engine import LLMEngine
 
-    return LLMEngine(source, settings, EngineSettings(num_kv_blocks=8, attention_backend="torch"))
+    # 320 blocks of 16 tokens: room for the 5,000-token prompt below (a bigger one is a 400).
+    return LLMEngine(source, settings, EngineSettings(num_kv_blocks=320, attention_backend="torch"))
 
 
 def test_max_model_len_is_the_setting_capped_by_a_stated_limit() -> None:
