@@ -9,7 +9,7 @@ Sections (``--sections``, comma-separated; default all):
            at a time; for llguidance also the batch fill of 16 matchers in its threads
            (``fill_next_token_bitmask_par``, per step) and a deep copy of a compiled
            grammar (what ``worker/structured/cache.py`` does per request). This is the
-           measured choice of docs/architecture.md, "Structured outputs (worker)".
+           measured choice (docs/benchmarks.md, "Structured outputs").
   engine   the offline engine, 16 chat prompts at concurrency 16 (``max_num_seqs`` 16),
            ``OUTPUT_TOKENS`` output tokens each (greedy, ignore_eos), every request
            constrained by a JSON schema that cannot end before ``OUTPUT_TOKENS`` (an array

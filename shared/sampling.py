@@ -7,7 +7,7 @@ from typing import Literal
 
 import msgspec
 
-#: What a structured output is constrained by (docs/architecture.md, "Structured outputs").
+#: What a structured output is constrained by (docs/operations.md, "Structured outputs").
 StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 #: Largest ``logit_bias`` magnitude (OpenAI's range is [-100, 100]).
 MAX_LOGIT_BIAS = 100.0
