@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from gateway.errors import OpenAIError
 from gateway.output import OutputProcessor, Step
-from shared.protocol import ErrorMessage, GenerateRequest, TokenOutput
+from shared.protocol import ErrorMessage, GenerateRequest, TokenLogprobs, TokenOutput
 
 #: How often a non-streaming request checks whether its client is still there, s.
 DISCONNECT_POLL_S = 1.0
@@ -128,7 +128,8 @@ class Generation:
             elif self.last_token_s is not None:
                 self.token_gaps_s.append(now_s - self.last_token_s)
             self.last_token_s = now_s
-        self._deliver(self.processor.process(new_ids, out.finish_reason))
+        logprobs = out.logprobs[num_received - out.first_index:] if out.logprobs else None
+        self._deliver(self.processor.process(new_ids, out.finish_reason, logprobs))
         return True
 
     def worker_failed(self, error: ErrorMessage) -> bool:
@@ -152,12 +153,12 @@ class Generation:
                               code="deadline_exceeded"))
 
     def _deliver(self, step: Step) -> None:
-        if step.text or step.finish_reason is not None:
+        if step.text or step.finish_reason is not None or step.logprobs:
             self._steps.append(step)
         if step.finish_reason is not None:
             self.finish_reason, self.stop_string = step.finish_reason, step.stop_string
             self._end()
-        elif step.text and self._is_disconnected is None:
+        elif (step.text or step.logprobs) and self._is_disconnected is None:
             self._ready.set()
 
     def _end(self) -> None:
@@ -204,6 +205,12 @@ class Generation:
         if self.error is not None:
             raise self.error
         return "".join(step.text for step in self._steps)
+
+    def output_logprobs(self) -> tuple[list[int], list[TokenLogprobs]]:
+        """After ``result()``: the output token ids and their logprobs (empty when the
+        request did not ask for them)."""
+        ids = [t for step in self._steps for t in step.token_ids]
+        return ids, [lp for step in self._steps for lp in step.logprobs]
 
     def close(self) -> None:
         """Release the request (unregister, abort if the worker still runs it, metrics).

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from gateway.admission import check_queue, enqueue
 from gateway.errors import OpenAIError
 from gateway.generation import ClientDisconnected, Generation
+from gateway.logprobs import LogprobsFormatter
 from gateway.output import OutputProcessor
 from gateway.request_ids import releasing, wire_request_id
 from gateway.responses import DONE_EVENT, ResponseShape, sse_event, usage
@@ -151,11 +152,13 @@ async def handle_generate(state: GatewayState, request: Request, *, chat: bool) 
         return exc.response()
     shape = ResponseShape(request_id, state.served_model_name, int(time.time()), chat)
     headers = {"X-Request-Id": request_id}
+    logprobs = None if params.logprobs is None else LogprobsFormatter(state.tokenizer.tokenizer, params.logprobs, chat)
     if req.stream:
-        return GenerationStream(gen, stream_events(gen, shape, len(prompt_ids), req.include_usage, tool_calls),
+        return GenerationStream(gen, stream_events(gen, shape, len(prompt_ids), req.include_usage, tool_calls,
+                                                   logprobs),
                                 media_type="text/event-stream",
                                  headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return await full_response(gen, shape, len(prompt_ids), headers, tool_calls)
+    return await full_response(gen, shape, len(prompt_ids), headers, tool_calls, logprobs)
 
 
 class GenerationStream(StreamingResponse):
@@ -217,9 +220,11 @@ async def submit(state: GatewayState, request: Request, request_id: str, prompt_
 
 
 async def full_response(gen: Generation, shape: ResponseShape, num_prompt_tokens: int,
-                        headers: dict[str, str], tool_calls: ToolCallStream | None = None) -> Response:
+                        headers: dict[str, str], tool_calls: ToolCallStream | None = None,
+                        logprobs: LogprobsFormatter | None = None) -> Response:
     """Wait for the whole output and answer one JSON body (or the error); with
-    ``tool_calls``, the text is parsed into ``tool_calls`` and content."""
+    ``tool_calls``, the text is parsed into ``tool_calls`` and content; with
+    ``logprobs``, every output token's logprobs."""
     try:
         text = await gen.result()
     except OpenAIError as exc:
@@ -233,7 +238,8 @@ async def full_response(gen: Generation, shape: ResponseShape, num_prompt_tokens
     if tool_calls is not None:
         content, calls = parse_tool_calls(text, tool_calls.max_num_calls)
     body = shape.body(content, _finish_reason(gen.finish_reason, bool(calls)),
-                      usage(num_prompt_tokens, gen.num_output_tokens), calls)
+                      usage(num_prompt_tokens, gen.num_output_tokens), calls,
+                      None if logprobs is None else logprobs.format(*gen.output_logprobs()))
     return JSONResponse(body, headers=headers)
 
 
@@ -255,8 +261,10 @@ def _tool_step_events(shape: ResponseShape, calls: ToolCallStream, text: str, fi
 
 
 async def stream_events(gen: Generation, shape: ResponseShape, num_prompt_tokens: int,
-                        include_usage: bool, tool_calls: ToolCallStream | None = None) -> AsyncIterator[bytes]:
-    """SSE body: chunks as text becomes final, the finish_reason chunk, the usage chunk
+                        include_usage: bool, tool_calls: ToolCallStream | None = None,
+                        logprobs: LogprobsFormatter | None = None) -> AsyncIterator[bytes]:
+    """SSE body: chunks as text becomes final (each with the logprobs of its tokens when
+    asked; not beside tool-call parsing), the finish_reason chunk, the usage chunk
     when asked, then ``[DONE]``. Steps that arrived while the previous write was under
     way go out in one write, one event each. An error mid-stream is an
     ``{"error": ...}`` event then ``[DONE]``. Cancellation (client gone) closes the
@@ -267,7 +275,8 @@ async def stream_events(gen: Generation, shape: ResponseShape, num_prompt_tokens
             yield sse_event(first)
         async for steps in gen.updates():
             if tool_calls is None:
-                yield b"".join([shape.chunk_event(s.text, s.finish_reason) for s in steps])
+                yield b"".join([shape.chunk_event(s.text, s.finish_reason, logprobs.format(s.token_ids, s.logprobs)
+                                                  if logprobs is not None and s.logprobs else None) for s in steps])
             else:
                 yield b"".join([_tool_step_events(shape, tool_calls, s.text, s.finish_reason) for s in steps])
         usage_event = b""

@@ -11,6 +11,7 @@ from typing import Any
 
 from gateway.detokenizer import make_detokenizer
 from gateway.stop import StopChecker
+from shared.protocol import TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -19,12 +20,15 @@ class Step:
 
     ``finish_reason`` is set when the output is over ("stop" or "length");
     ``stop_string`` is set when a stop string ended it (the worker does not know yet
-    and must be told to abort).
+    and must be told to abort). ``token_ids`` and ``logprobs`` are the tokens consumed
+    and their logprobs, when the request asked for logprobs (else both empty).
     """
 
     text: str
     finish_reason: str | None = None
     stop_string: str | None = None
+    token_ids: Sequence[int] = ()
+    logprobs: Sequence[TokenLogprobs] = ()
 
 
 class OutputProcessor:
@@ -43,11 +47,22 @@ class OutputProcessor:
         self._hidden = frozenset(hidden_token_ids)
         self.num_output_tokens = 0
         self.finished = False
+        self._num_consumed = 0  # of the last ``process`` call's tokens (fewer when a stop string ended it)
 
-    def process(self, token_ids: Sequence[int], finish_reason: str | None) -> Step:
+    def process(self, token_ids: Sequence[int], finish_reason: str | None,
+                logprobs: Sequence[TokenLogprobs] | None = None) -> Step:
         """Consume new, in-order ``token_ids``; ``finish_reason`` is the worker's (None
-        while it runs). Returns the text to release and whether the output is over."""
+        while it runs); ``logprobs``, one per token, when the request asked for them.
+        Returns the text to release and whether the output is over."""
+        step = self._process(token_ids, finish_reason)
+        if logprobs:  # the tokens consumed, up to the one that completed a stop string
+            num = self._num_consumed
+            step.token_ids, step.logprobs = token_ids[:num], logprobs[:num]
+        return step
+
+    def _process(self, token_ids: Sequence[int], finish_reason: str | None) -> Step:
         assert not self.finished, "output already finished"
+        self._num_consumed = len(token_ids)
         parts: list[str] = []
         last = len(token_ids) - 1
         for i, token_id in enumerate(token_ids):
@@ -61,6 +76,7 @@ class OutputProcessor:
             parts.append(result.text)
             if result.stopped:
                 self.finished = True
+                self._num_consumed = i + 1
                 return Step("".join(parts), "stop", result.stop)
         if finish_reason is None:
             return Step("".join(parts))

@@ -54,15 +54,17 @@ class ResponseShape:
         return {"id": self.request_id, "object": obj, "created": self.created_unix_s, "model": self.model}
 
     def body(self, text: str | None, finish_reason: str | None, usage_: dict[str, int],
-             tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        """The non-streaming response body (chat ``tool_calls``: gateway/tool_parser.py)."""
+             tool_calls: list[dict[str, Any]] | None = None, logprobs: dict[str, Any] | None = None
+             ) -> dict[str, Any]:
+        """The non-streaming response body (chat ``tool_calls``: gateway/tool_parser.py;
+        ``logprobs``: gateway/logprobs.py)."""
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if tool_calls:
                 message["tool_calls"] = tool_calls
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
             return {**self._head("chat.completion"), "choices": [choice], "usage": usage_}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self._head("text_completion"), "choices": [choice], "usage": usage_}
 
     def first_chunk(self) -> dict[str, Any] | None:
@@ -73,21 +75,24 @@ class ResponseShape:
                   "finish_reason": None}
         return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
-    def chunk(self, text: str, finish_reason: str | None = None) -> dict[str, Any]:
-        """A stream chunk with a text delta (and the finish_reason on the last one)."""
+    def chunk(self, text: str, finish_reason: str | None = None,
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A stream chunk with a text delta (and the finish_reason on the last one), and
+        the logprobs of the tokens in it when asked for."""
         if self.chat:
             delta = {"content": text} if text or finish_reason is None else {}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self._head("text_completion"), "choices": [choice]}
 
-    def chunk_event(self, text: str, finish_reason: str | None = None) -> bytes:
-        """``sse_event(self.chunk(text, finish_reason))``, the text-only chunk without
-        building the dict."""
-        if finish_reason is None:
+    def chunk_event(self, text: str, finish_reason: str | None = None,
+                    logprobs: dict[str, Any] | None = None) -> bytes:
+        """``sse_event(self.chunk(text, finish_reason, logprobs))``; the text-only chunk
+        without building the dict."""
+        if finish_reason is None and logprobs is None:
             return self._text_head + _json_encode(text) + self._text_tail
-        return sse_event(self.chunk(text, finish_reason))
+        return sse_event(self.chunk(text, finish_reason, logprobs))
 
     def delta_event(self, delta: dict[str, Any]) -> bytes:
         """A chat stream chunk with ``delta`` as given (a tool-call delta), as an SSE event."""

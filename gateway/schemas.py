@@ -5,7 +5,7 @@ Types are strict, as OpenAI's are: ``"stream": "yes"``, ``"max_tokens": "16"`` a
 ``"prompt": [true, 2]`` are refused rather than coerced (JSON integers are accepted for
 float fields). Unknown fields are ignored, as OpenAI-compatible servers do (the
 structured-output objects of gateway/structured.py refuse them). Fields that inferq does
-not implement yet (``logprobs``, ``echo``, ``n > 1``) are refused with a 400 rather than
+not implement yet (``echo``, ``n > 1``) are refused with a 400 rather than
 silently ignored. List fields are bounded (``MAX_NUM_*`` below; the character bound of
 prompts is in gateway/tokenize.py); docs/operations.md lists every limit.
 """
@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway.errors import OpenAIError, validation_error
 from gateway.structured import Constraint, StructuredFields
 from gateway.tools import ToolCall, ToolFields
-from shared.sampling import MAX_LOGIT_BIAS, InvalidParameter, SamplingParams, StructuredOutput
+from shared.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, InvalidParameter, SamplingParams, StructuredOutput
 
 #: Default ``max_tokens`` of /v1/completions: OpenAI's, which ``SamplingParams`` also uses.
 DEFAULT_COMPLETION_MAX_TOKENS = SamplingParams().max_tokens
@@ -35,6 +35,8 @@ MAX_NUM_STOP_TOKEN_IDS = 256
 MAX_NUM_MESSAGES = 2048
 #: Most ``logit_bias`` entries per request (every worker step adds them to the logits).
 MAX_NUM_LOGIT_BIAS = 1024
+#: Most ``logprobs`` alternatives of ``/v1/completions`` (OpenAI's limit; chat allows ``MAX_LOGPROBS``).
+MAX_COMPLETION_LOGPROBS = 5
 #: ``X-Request-Id``: matched whole (``re.fullmatch``; a pattern ending in ``$`` would also
 #: match before a trailing newline). The OpenAPI schema anchors it with ``^...$``.
 REQUEST_ID_PATTERN = r"[A-Za-z0-9._:\-]{1,128}"
@@ -115,6 +117,12 @@ class _SamplingFields(StructuredFields):
             raise OpenAIError(400, f"stop_token_ids takes at most {MAX_NUM_STOP_TOKEN_IDS} ids, got "
                               f"{len(self.stop_token_ids)}", param="stop_token_ids")
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per output token to return (``SamplingParams.logprobs``);
+        None: no logprobs."""
+        return None
+
     def sampling_params(self, max_tokens: int, *, vocab_size: int | None = None,
                         structured: StructuredOutput | None = None) -> SamplingParams:
         """Build and validate the sampling parameters with the resolved ``max_tokens`` and
@@ -133,6 +141,7 @@ class _SamplingFields(StructuredFields):
             min_tokens=self.min_tokens,
             structured=structured,
             logit_bias=self._logit_bias(vocab_size),
+            logprobs=self.num_logprobs,
             **{name: value for name, value in given.items() if value is not None},
         )
         try:
@@ -175,8 +184,8 @@ class CompletionRequest(_SamplingFields):
     def check(self) -> None:
         """Refuse unsupported fields and lists over their limits (400)."""
         self.check_common()
-        if self.logprobs:
-            raise OpenAIError(400, "logprobs is not supported yet", param="logprobs")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise OpenAIError(400, f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}]", param="logprobs")
         if self.echo:
             raise OpenAIError(400, "echo is not supported yet", param="echo")
         if self.suffix:
@@ -184,6 +193,10 @@ class CompletionRequest(_SamplingFields):
         batched = isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list))
         if batched and len(self.prompt) != 1:
             raise OpenAIError(400, "only one prompt per request is supported", param="prompt")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ContentPart(BaseModel):
@@ -246,8 +259,10 @@ class ChatCompletionRequest(ToolFields, _SamplingFields):
         conversations (400)."""
         self.check_tools()
         self.check_common()
-        if self.logprobs:
-            raise OpenAIError(400, "logprobs is not supported yet", param="logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise OpenAIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]", param="top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if not self.messages:
             raise OpenAIError(400, "messages must not be empty", param="messages")
         if len(self.messages) > MAX_NUM_MESSAGES:
@@ -267,6 +282,10 @@ class ChatCompletionRequest(ToolFields, _SamplingFields):
                               f"{self.effective_tool_choice!r}, which constrains the output to a tool call",
                               param="tool_choice")
         return forcing or constraint
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:

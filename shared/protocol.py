@@ -56,13 +56,25 @@ class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True):
     v: int = PROTOCOL_VERSION
 
 
-class TokenOutput(msgspec.Struct, kw_only=True):
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """One output token's log-probability (natural log, of the raw model distribution:
+    docs/operations.md, "Logprobs") and ``top``, the ``(token_id, logprob)`` pairs of the
+    ``SamplingParams.logprobs`` most likely tokens, most likely first (empty when 0).
+    Encoded as an array, not a map: it repeats once per token."""
+
+    logprob: float
+    top: list[tuple[int, float]] = []
+
+
+class TokenOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     """New output tokens of one request after one engine step: an entry of a ``TokenBatch``.
 
     ``first_index`` is the position of ``token_ids[0]`` among the request's output
     tokens (0-based), so a receiver can detect gaps and duplicates. ``finish_reason``
     is set on the request's last entry. ``num_prompt_tokens`` and ``num_cached_tokens``
-    (prefix-cache hits, tokens) are set on its first entry.
+    (prefix-cache hits, tokens) are set on its first entry. ``logprobs`` has one entry
+    per ``token_ids`` entry when the request asked for them (``SamplingParams.logprobs``),
+    else it is ``None`` and, like every default, left out of the payload.
     """
 
     request_id: str
@@ -72,6 +84,7 @@ class TokenOutput(msgspec.Struct, kw_only=True):
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None
 
 
 class TokenBatch(msgspec.Struct, tag="token_batch", kw_only=True):

@@ -11,6 +11,8 @@ import msgspec
 StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 #: Largest ``logit_bias`` magnitude (OpenAI's range is [-100, 100]).
 MAX_LOGIT_BIAS = 100.0
+#: Most top alternatives ``logprobs`` may ask for per token (OpenAI's ``top_logprobs``).
+MAX_LOGPROBS = 20
 
 
 class InvalidParameter(ValueError):
@@ -50,6 +52,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     Stop *strings* are applied by the gateway, which owns detokenization.
     ``logit_bias`` is ``(token_id, bias)`` pairs, sorted by id, each added to that token's
     logit before penalties and sampling (OpenAI's ``logit_bias``: -100 bans, +100 forces).
+    ``logprobs``: ``None``, none; ``k``, each output token's log-probability and those of
+    the ``k`` most likely tokens (0: the sampled token's only), of the raw model
+    distribution (docs/operations.md, "Logprobs").
     """
 
     max_tokens: int = 16
@@ -66,6 +71,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     frequency_penalty: float = 0.0
     structured: StructuredOutput | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
 
     def validate(self) -> None:
         """Check every field.
@@ -87,6 +93,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "stop_token_ids must be >= 0"),
             (all(t >= 0 and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for t, b in self.logit_bias), "logit_bias",
              f"logit_bias maps token ids >= 0 to biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+             f"logprobs must be in [0, {MAX_LOGPROBS}]"),
         ]
         for ok, param, message in checks:
             if not ok:

@@ -48,7 +48,7 @@ def _assert_openai_error(r: httpx.Response, status: int, param: str | None = Non
     ({"model": MODEL, "prompt": ""}, "prompt"),
     ({"model": MODEL, "prompt": [999999]}, "prompt"),
     ({"model": MODEL, "prompt": "x", "n": 3}, "n"),
-    ({"model": MODEL, "prompt": "x", "logprobs": 1}, "logprobs"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 6}, "logprobs"),
     ({"model": MODEL, "prompt": "x", "echo": True}, "echo"),
     ({"model": MODEL, "prompt": {"a": 1}}, "prompt"),
 ])

@@ -133,7 +133,7 @@ def _err(model, body: bytes) -> OpenAIError:
     (b'{"model": "m", "prompt": "x", "temperature": "hot"}', "temperature"),
     (b'{"model": "m", "prompt": "x", "top_p": 0}', "top_p"),
     (b'{"model": "m", "prompt": "x", "n": 2}', "n"),
-    (b'{"model": "m", "prompt": "x", "logprobs": 2}', "logprobs"),
+    (b'{"model": "m", "prompt": "x", "logprobs": 6}', "logprobs"),
     (b'{"model": "m", "prompt": "x", "echo": true}', "echo"),
     (b'{"model": "m", "prompt": ["a", "b"]}', "prompt"),
     (b'{"model": "m"}', "prompt"),
@@ -149,7 +149,8 @@ def test_completion_validation_names_param(body, param):
 @pytest.mark.parametrize("body,param", [
     (b'{"model": "m", "messages": []}', "messages"),
     (b'{"model": "m", "messages": [{"role": "robot", "content": "x"}]}', "messages"),
-    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": true}', "logprobs"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21}',
+     "top_logprobs"),
 ])
 def test_chat_validation_names_param(body, param):
     err = _err(ChatCompletionRequest, body)

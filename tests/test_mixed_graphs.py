@@ -99,5 +99,5 @@ def test_padded_step_equals_unpadded() -> None:
         got = mixed.rows[:shape.num_sampled]
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         checked += bucket > num_tokens and 1 < len(batch) < 6
-        engine._apply(out, runner.execute(batch))
+        engine._apply(out, *runner.execute(batch))
     assert checked >= 3  # steps that really padded both tokens and sequences

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.model_source import DEFAULT_MODEL_NAME, resolve_model
-from shared.protocol import FinishReason
+from shared.protocol import FinishReason, TokenLogprobs
 from shared.sampling import SamplingParams
 from shared.settings import EngineSettings, ModelSettings
 from worker.engine.engine import LLMEngine
@@ -18,13 +18,15 @@ from worker.engine.engine import LLMEngine
 @dataclass(slots=True)
 class CompletionOutput:
     """One finished request: its prompt ids, output ids, text (when a tokenizer is
-    available) and why it stopped."""
+    available), why it stopped, and per output token its logprobs when asked for
+    (``SamplingParams.logprobs``)."""
 
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 class LLM:
@@ -86,6 +88,7 @@ class LLM:
                 result = outputs[out.request_id]
                 assert out.first_index == len(result.token_ids), "token gap or duplicate"
                 result.token_ids.extend(out.new_token_ids)
+                result.logprobs.extend(out.logprobs or ())
                 result.num_cached_tokens = out.num_cached_tokens
                 if out.finish_reason is not None:
                     result.finish_reason = out.finish_reason

@@ -318,7 +318,8 @@ class Worker:
             batches.setdefault(info.reply_channel, []).append(TokenOutput(
                 request_id=out.request_id, attempt=info.attempt, first_index=out.first_index,
                 token_ids=out.new_token_ids, finish_reason=out.finish_reason,
-                num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens))
+                num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
+                logprobs=out.logprobs))
             if out.finish_reason is not None:
                 finished.append((out.request_id, info))
         async with self.redis.pipeline(transaction=False) as pipe:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from shared.model_source import ModelSource
-from shared.protocol import FinishReason
+from shared.protocol import FinishReason, TokenLogprobs
 from shared.sampling import SamplingParams
 from shared.settings import EngineSettings, ModelSettings
 
@@ -48,7 +48,8 @@ def check_request(prompt_token_ids: list[int], sampling: SamplingParams, num_res
 @dataclass(slots=True)
 class RequestOutput:
     """What one step produced for one request: ``new_token_ids``, the first of which
-    is output token number ``first_index``; ``finish_reason`` once it ended."""
+    is output token number ``first_index``; ``finish_reason`` once it ended;
+    ``logprobs``, one entry per new token, when the request asked for them."""
 
     request_id: str
     new_token_ids: list[int]
@@ -56,6 +57,7 @@ class RequestOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -258,8 +258,11 @@ class VllmBackend:
         Raises:
             RequestRejected: empty or too long prompt, bad parameters, token ids out of
                 the vocabulary, duplicate id, a resumed request with nothing left, a
-                structured output vLLM refuses, or one resumed after delivered outputs.
+                structured output vLLM refuses, one resumed after delivered outputs, or
+                logprobs (not passed through to vLLM yet).
         """
+        if sampling.logprobs is not None:
+            raise RequestRejected("logprobs are not supported by the vllm backend yet")
         outputs = list(output_token_ids or ())
         self._check(request_id, prompt_token_ids, sampling, len(outputs))
         from vllm.exceptions import VLLMClientError

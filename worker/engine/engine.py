@@ -11,6 +11,7 @@ from functools import partial
 import torch
 
 from shared.model_source import ModelSource, eos_token_ids, max_model_len
+from shared.protocol import TokenLogprobs
 from shared.sampling import SamplingParams
 from shared.settings import EngineSettings, ModelSettings
 from worker.backends.base import EngineStats, RequestOutput, RequestRejected, check_request
@@ -176,23 +177,31 @@ class LLMEngine:
             requests = [item.request for item in out.scheduled]
             self._inflight = (out, self.runner.launch_decode(requests, *decode_inputs(requests)))
             return self._finish_inflight()
-        return self._apply(out, self.runner.execute(out.scheduled))
+        return self._apply(out, *self.runner.execute(out.scheduled))
 
-    def _apply(self, out: SchedulerOutput, sampled: list[int | None]) -> list[RequestOutput]:
+    def _apply(self, out: SchedulerOutput, sampled: list[int | None],
+               logprobs: list[TokenLogprobs | None] | None = None) -> list[RequestOutput]:
+        """Apply a step's sampled tokens (and, per scheduled item, its token's logprobs
+        or None) and return the outputs."""
+        asked = {item.request.request_id: lp for item, lp in zip(out.scheduled, logprobs or ()) if lp is not None}
         results, finished = self.scheduler.update(out, sampled)
         for request in finished:
             self._free(request)
         return [RequestOutput(r.request.request_id, r.new_token_ids, r.first_index, r.request.finish_reason,
-                              r.request.num_prompt_tokens, r.request.num_cached_tokens) for r in results]
+                              r.request.num_prompt_tokens, r.request.num_cached_tokens,
+                              [asked[r.request.request_id]] if r.request.request_id in asked else None)
+                for r in results]
 
     def _async_decode_ok(self, out: SchedulerOutput) -> bool:
         """A step the async path may run: every item one sampled decode token, through
         the graphs, with no request that needs its token history on the host (penalties)
-        or its previous token applied before its next mask (a grammar)."""
+        or its previous token applied before its next mask (a grammar), or logprobs
+        (``RawLogprobs`` is fetched with the ids, which the async path does not wait for)."""
         return (self.engine_settings.async_scheduling and self.runner.can_launch_decode(len(out.scheduled))
                 and not out.preempted
                 and all(item.num_tokens == 1 and item.samples and not item.request.sampling.needs_penalties
-                        and item.request.grammar is None for item in out.scheduled))
+                        and item.request.grammar is None and item.request.sampling.logprobs is None
+                        for item in out.scheduled))
 
     def _finish_inflight(self) -> list[RequestOutput]:
         """Enqueue the next decode step when it can follow the one in flight, then wait

@@ -9,6 +9,8 @@ How a batch changes form:
  -> hidden[logits_indices] -> logits [num_sampled, V] float32
  -> grammar bitmask [num_structured, V / 32] int32, filled on the host (llguidance), one H2D copy
  -> sampler (mask applied first) -> ids (one D2H copy)
+ -> raw logprobs of the rows that ask: log-softmax [m, V] taken before the sampler, one
+    topk, copied to the host ahead of the ids (``sampler.RawLogprobs``)
 
 On CUDA with the Triton backend and ``enforce_eager`` off, no step runs eagerly: a step
 in which every sequence has one query token and samples (a decode step) replays a decode
@@ -31,11 +33,12 @@ from collections.abc import Sequence
 
 import torch
 
+from shared.protocol import TokenLogprobs
 from shared.settings import EngineSettings
 from worker.engine.cuda_graphs import DecodeGraphs
 from worker.engine.mixed_graphs import MixedGraphs, StepInputs
 from worker.engine.request import Request
-from worker.engine.sampler import Sampler
+from worker.engine.sampler import RawLogprobs, Sampler
 from worker.engine.scheduler import ScheduledRequest
 from worker.models.attention import AttentionMetadata, select_backend
 from worker.models.config import ModelConfig
@@ -174,14 +177,20 @@ class ModelRunner:
             graphs.inputs.dev64[:len(requests)].copy_(input_ids)  # type: ignore[arg-type]
         return graphs.run(len(requests), max(lens), upload=False)
 
-    def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> tuple[torch.Tensor, RawLogprobs | None]:
         """``Sampler.sample`` of one row of ``logits`` per request, under the grammar
         masks of the requests that have one: ``[n]`` int64 ids on the device, not
-        synchronised. The masks follow each grammar's host state, so a request with a
-        grammar must have had its previous token applied (no async step)."""
+        synchronised, and the raw logprobs of the rows that ask (None: no row does).
+        The masks follow each grammar's host state, so a request with a grammar must
+        have had its previous token applied (no async step)."""
+        params = [r.sampling for r in requests]
+        raw = RawLogprobs(logits, params) if RawLogprobs.wanted(params) else None  # before sample edits logits
         mask = self.grammar_masks.mask([r.grammar for r in requests])
-        return self.sampler.sample(logits, [r.request_id for r in requests], [r.sampling for r in requests],
-                                   [r.token_ids for r in requests], [r.num_prompt_tokens for r in requests], mask)
+        ids = self.sampler.sample(logits, [r.request_id for r in requests], params,
+                                  [r.token_ids for r in requests], [r.num_prompt_tokens for r in requests], mask)
+        if raw is not None:
+            raw.gather(ids)
+        return ids, raw
 
     def can_launch_decode(self, n: int) -> bool:
         """True when a decode step of ``n`` sequences can run as a graph replay
@@ -197,12 +206,16 @@ class ModelRunner:
         Returns:
             The launch; ``DecodeLaunch.token_ids()`` waits for and returns the sampled ids.
         """
-        return DecodeLaunch(self._sample(self._decode_logits(requests, positions, input_ids), requests))
+        ids, raw = self._sample(self._decode_logits(requests, positions, input_ids), requests)
+        assert raw is None, "requests with logprobs take the synchronous path (LLMEngine._async_decode_ok)"
+        return DecodeLaunch(ids)
 
     @torch.inference_mode()
-    def execute(self, batch: Sequence[ScheduledRequest]) -> list[int | None]:
+    def execute(self, batch: Sequence[ScheduledRequest]
+                ) -> tuple[list[int | None], list[TokenLogprobs | None]]:
         """Run one step. Returns, per scheduled request, its sampled token or ``None``
-        (a partial prefill chunk samples nothing)."""
+        (a partial prefill chunk samples nothing), and its token's logprobs or ``None``
+        (it samples nothing or did not ask)."""
         sampled_items = [item for item in batch if item.samples]
         logits: torch.Tensor | None = None
         if self.can_launch_decode(len(batch)) and all(item.num_tokens == 1 and item.samples for item in batch):
@@ -221,7 +234,11 @@ class ModelRunner:
                     hidden = hidden.index_select(0, logits_indices)
                 logits = self.model.compute_logits(hidden)
         tokens: list[int] = []
+        logprobs: list[TokenLogprobs | None] = []
         if logits is not None:  # the step's one synchronisation: the ids' copy to the host
-            tokens = self._sample(logits, [item.request for item in sampled_items]).tolist()
-        it = iter(tokens)
-        return [next(it) if item.samples else None for item in batch]
+            ids, raw = self._sample(logits, [item.request for item in sampled_items])
+            tokens = ids.tolist()
+            logprobs = raw.fetch() if raw is not None else [None] * len(tokens)
+        it, lps = iter(tokens), iter(logprobs)
+        return ([next(it) if item.samples else None for item in batch],
+                [next(lps) if item.samples else None for item in batch])

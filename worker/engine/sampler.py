@@ -15,6 +15,13 @@ need the host), and the only synchronisation is the caller's copy of the sampled
 token, which picks token ``i`` with probability ``p_i`` (the exponential race / Gumbel
 trick) and lets a seeded request draw its own noise row from its own generator.
 
+Logprobs (``SamplingParams.logprobs``) are vLLM's default ``logprobs_mode``
+(``raw_logprobs``): a log-softmax of the model's logits as they leave the LM head, before
+the grammar mask, ``logit_bias``, penalties and temperature, so they describe the
+model, not the filtered distribution a token was drawn from (docs/operations.md,
+"Logprobs"). ``RawLogprobs`` takes them, for the rows that ask only, before ``sample``
+edits the logits in place, and one ``topk`` gives the alternatives.
+
 Sources: top-p from Holtzman et al., "The Curious Case of Neural Text Degeneration"
 (2020); min-p from Nguyen et al. (2024); repetition penalty from Keskar et al., CTRL
 (2019), applied as in HF transformers; presence/frequency penalties as in the OpenAI API.
@@ -26,6 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
+from shared.protocol import TokenLogprobs
 from shared.sampling import SamplingParams
 from worker.structured.mask import TokenMask, apply_token_bitmask_, num_words
 
@@ -177,6 +185,55 @@ class Sampler:
             counts = counts.view(n, vocab)
             logits -= (self._to_device(frequency, torch.float32).unsqueeze(1) * counts
                        + self._to_device(presence, torch.float32).unsqueeze(1) * (counts > 0).to(logits.dtype))
+
+
+class RawLogprobs:
+    """The raw log-probabilities of one step's rows that ask for them, on the device.
+
+    Built before ``Sampler.sample`` (which edits the logits in place); ``gather`` then
+    picks each row's sampled token and enqueues the copies to the host without waiting,
+    and ``fetch``, called after the sampled ids reached the host (the step's one
+    synchronisation, which these copies precede on the stream), reads them.
+    """
+
+    def __init__(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+        """``logits``: ``[n, vocab]`` float32 as the LM head gave them; ``params`` per row."""
+        self.rows = [row for row, p in enumerate(params) if p.logprobs is not None]
+        self.num_top = [params[row].logprobs or 0 for row in self.rows]
+        self.num_rows = len(params)
+        pinned = logits.device.type == "cuda"
+        self._index = torch.tensor(self.rows, dtype=torch.int64, pin_memory=pinned).to(logits.device,
+                                                                                        non_blocking=True)
+        self._logprobs = torch.log_softmax(logits.index_select(0, self._index).float(), dim=-1)  # [m, vocab]
+        self._host: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @staticmethod
+    def wanted(params: Sequence[SamplingParams]) -> bool:
+        """True when any row asks for logprobs."""
+        return any(p.logprobs is not None for p in params)
+
+    def gather(self, sampled: torch.Tensor) -> None:
+        """Take the logprob of each asking row's ``sampled`` token (``[n]`` int64, device)
+        and its top ``max(num_top)`` alternatives; enqueue their copy to the host."""
+        chosen = self._logprobs.gather(1, sampled.index_select(0, self._index).unsqueeze(1))  # [m, 1]
+        top_values, top_ids = self._logprobs.topk(max(self.num_top), dim=-1)  # [m, k], most likely first
+        values = torch.cat([chosen, top_values], dim=1)
+        pinned = sampled.device.type == "cuda"
+        host_values = torch.empty(values.shape, dtype=values.dtype, pin_memory=pinned)
+        host_ids = torch.empty(top_ids.shape, dtype=top_ids.dtype, pin_memory=pinned)
+        host_values.copy_(values, non_blocking=True)
+        host_ids.copy_(top_ids, non_blocking=True)
+        self._host = (host_values, host_ids)
+
+    def fetch(self) -> list[TokenLogprobs | None]:
+        """Per row of the step, its ``TokenLogprobs``, or None for a row that did not
+        ask. Call after the sampled ids reached the host."""
+        assert self._host is not None, "gather first"
+        values, ids = self._host[0].tolist(), self._host[1].tolist()
+        out: list[TokenLogprobs | None] = [None] * self.num_rows
+        for i, (row, k) in enumerate(zip(self.rows, self.num_top)):
+            out[row] = TokenLogprobs(values[i][0], list(zip(ids[i][:k], values[i][1:k + 1])))
+        return out
 
 
 def _exponential(shape: torch.Size, generator: torch.Generator, device: torch.device) -> torch.Tensor:
