@@ -38,6 +38,15 @@ from shared.sampling import SamplingParams
 from worker.structured.mask import TokenMask, apply_token_bitmask_, num_words
 
 
+def host_list_to_device(values: Sequence[float] | Sequence[int] | Sequence[bool], dtype: torch.dtype,
+                        device: torch.device) -> torch.Tensor:
+    """A small host list as a ``dtype`` tensor on ``device``, copied from pinned memory
+    without waiting for the work queued on the device (``torch.tensor(..., device="cuda")``
+    would wait for the whole queued step)."""
+    t = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return t.to(device, non_blocking=True)
+
+
 class Sampler:
     """Samples one token per row of a logits matrix; keeps seeded generators per request."""
 
@@ -70,9 +79,7 @@ class Sampler:
         self._generator.set_state(state)
 
     def _to_device(self, values: Sequence[float] | Sequence[int] | Sequence[bool], dtype: torch.dtype) -> torch.Tensor:
-        """A small host list on the device, copied without waiting for the queued work."""
-        t = torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda")
-        return t.to(self.device, non_blocking=True)
+        return host_list_to_device(values, dtype, self.device)
 
     def __call__(self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams],
                  token_ids: Sequence[Sequence[int]], num_prompt_tokens: Sequence[int],
@@ -201,9 +208,7 @@ class RawLogprobs:
         self.rows = [row for row, p in enumerate(params) if p.logprobs is not None]
         self.num_top = [params[row].logprobs or 0 for row in self.rows]
         self.num_rows = len(params)
-        pinned = logits.device.type == "cuda"
-        self._index = torch.tensor(self.rows, dtype=torch.int64, pin_memory=pinned).to(logits.device,
-                                                                                        non_blocking=True)
+        self._index = host_list_to_device(self.rows, torch.int64, logits.device)
         self._logprobs = torch.log_softmax(logits.index_select(0, self._index).float(), dim=-1)  # [m, vocab]
         self._host: tuple[torch.Tensor, torch.Tensor] | None = None
 

@@ -11,6 +11,7 @@ import llguidance
 import llguidance.torch
 import torch
 
+from worker.engine.sampler import host_list_to_device
 from worker.structured.mask import TokenMask, num_words
 from worker.structured.matcher import GrammarMatcher
 
@@ -43,5 +44,4 @@ class GrammarMasks:
         bitmask = torch.empty((len(rows), num_words(self.vocab_size)), dtype=torch.int32, pin_memory=pin)
         matchers = [(grammars[row].matcher, k) for k, row in enumerate(rows)]  # type: ignore[union-attr]
         llguidance.torch.fill_next_token_bitmask_par(self._executor, matchers, bitmask)
-        row_ids = torch.tensor(rows, dtype=torch.int64, pin_memory=pin)
-        return TokenMask(bitmask.to(self.device, non_blocking=True), row_ids.to(self.device, non_blocking=True))
+        return TokenMask(bitmask.to(self.device, non_blocking=True), host_list_to_device(rows, torch.int64, self.device))
