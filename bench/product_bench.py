@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.host import cpu_description
 from bench.loadgen import BenchConfig, run_benchmark
@@ -148,14 +149,18 @@ def offline_child(spec_path: Path) -> int:
     t0 = time.perf_counter()
     for i, prompt in enumerate(prompts):
         engine.add_request(f"offline-{i}", prompt, params)
-    num_output_tokens = 0
+    num_output_tokens = num_steps = 0
+    async_before = engine.num_async_steps
     while engine.has_unfinished_requests():
         num_output_tokens += sum(len(out.new_token_ids) for out in engine.step())
+        num_steps += 1
     wall_s = time.perf_counter() - t0
     assert num_output_tokens == len(prompts) * args.output_len, num_output_tokens
     device = engine.device
     result = {"max_num_seqs": spec["max_num_seqs"], "num_prompts": len(prompts),
               "total_output_tokens": num_output_tokens, "wall_s": wall_s, "output_tok_s": num_output_tokens / wall_s,
+              "engine": {"steps": num_steps, "async_steps": engine.num_async_steps - async_before,
+                         "busy_s": wall_s, "ms_per_step": wall_s * 1000 / max(num_steps, 1)},
               "build_s": build_s, "backend": engine.runner.backend.name, "dtype": str(engine.dtype),
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_description(),
               "torch": torch.__version__}
@@ -236,12 +241,48 @@ def process_roles(serve_pid: int) -> dict[int, str]:
     return roles
 
 
-def measure_pass(cfg: BenchConfig, serve_pid: int, client_processes: int = 1) -> dict[str, Any]:
-    """One pass of the client against serve: the load client's figures and each role's CPU.
+#: The worker counters read around each pass (worker/metrics.py), by short name.
+ENGINE_COUNTERS = {"steps": "inferq:engine_steps", "busy_s": "inferq:engine_busy_seconds",
+                   "async_steps": "inferq:engine_async_steps"}
+
+
+def engine_counters(metrics_url: str | None) -> dict[str, float]:
+    """The worker's engine counters (``ENGINE_COUNTERS``) from its ``/metrics``; empty
+    when there is no URL or the scrape fails (the pass is measured without them)."""
+    if metrics_url is None:
+        return {}
+    try:
+        text = httpx.get(metrics_url, timeout=5, trust_env=False).text
+    except httpx.HTTPError:
+        return {}
+    totals = {f.name: sum(s.value for s in f.samples if s.name.endswith("_total"))
+              for f in text_string_to_metric_families(text)}
+    return {short: totals[name] for short, name in ENGINE_COUNTERS.items() if name in totals}
+
+
+def engine_delta(before: dict[str, float], after: dict[str, float], duration_s: float) -> dict[str, float]:
+    """What the engine did during a pass: steps, async steps, time in steps, ms per step and
+    the busy fraction (time in steps / the pass's wall time)."""
+    if not before or not after:
+        return {}
+    d = {k: after[k] - before[k] for k in before if k in after}
+    if d.get("steps"):
+        d["ms_per_step"] = d.get("busy_s", 0.0) * 1000 / d["steps"]
+    if duration_s > 0 and "busy_s" in d:
+        d["busy_fraction"] = d["busy_s"] / duration_s
+    return d
+
+
+def measure_pass(cfg: BenchConfig, serve_pid: int, client_processes: int = 1,
+                 metrics_url: str | None = None) -> dict[str, Any]:
+    """One pass of the client against serve: the load client's figures, each role's CPU
+    and (with the worker's ``metrics_url``) what its engine did (``engine_delta``).
     With ``client_processes > 1`` the requests are sent from that many processes
     (``bench.loadgen.multiproc``), and ``client`` CPU is theirs in all."""
     roles = process_roles(serve_pid)
     before = {pid: cpu_s(pid) for pid in roles}
+    engine_before = engine_counters(metrics_url)
+    start_monotonic_s = time.monotonic()  # the worker's step trace uses the same clock
     if client_processes > 1:
         result, client_s = run_split(cfg, client_processes)
     else:
@@ -255,6 +296,7 @@ def measure_pass(cfg: BenchConfig, serve_pid: int, client_processes: int = 1) ->
         except FileNotFoundError:  # gone during the pass: its share is lost
             pass
     cpu["client"] = client_s
+    engine = engine_delta(engine_before, engine_counters(metrics_url), result.metrics.duration_s)
     m = result.metrics
     tokens = max(m.total_output_tokens, 1)
 
@@ -269,6 +311,7 @@ def measure_pass(cfg: BenchConfig, serve_pid: int, client_processes: int = 1) ->
                 r: cpu[r] * 1000 / tokens for r in ROLES},
             "cpu_cores": {r: cpu[r] / m.duration_s for r in ROLES},
             "num_processes": {r: sum(1 for v in roles.values() if v == r) for r in ROLES[:3]},
+            "engine": engine, "monotonic_s": [start_monotonic_s, time.monotonic()],
             "errors": sorted({o.error for o in result.outputs if o.error})[:3]}
 
 
@@ -281,9 +324,14 @@ def run_serve(args: argparse.Namespace, model_dir: Path, concurrency: int, env: 
         RuntimeError: serve did not become ready.
     """
     s = max_num_seqs_for(args, concurrency)
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     log = Path(args.log_dir) / f"serve-c{concurrency}.log"
     t0 = time.monotonic()
+    # The worker's /metrics, for what its engine did in each pass (unless the caller set a port).
+    env = {"INFERQ_METRICS_PORT": str(metrics_port), **env}
+    if args.step_trace:  # the worker's per-step timeline (worker/progress.py, StepTrace), beside the logs
+        env["INFERQ_STEP_TRACE"] = str(Path(args.log_dir) / f"steps-c{concurrency}.jsonl")
+    metrics_url = f"http://127.0.0.1:{env['INFERQ_METRICS_PORT']}/metrics"
     proc = spawn(serve_argv(args, model_dir, s, port), log, env, die_with_parent=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -297,7 +345,7 @@ def run_serve(args: argparse.Namespace, model_dir: Path, concurrency: int, env: 
             cfg = workload(args, args.seed + i, base_url=url, model=model_dir.name, max_concurrency=concurrency,
                            timeout_s=max(clock.left_s(), 1.0))
             row = {"pass": i + 1, "first_after_start": i == 0,
-                   **measure_pass(cfg, proc.pid, min(args.client_processes, concurrency))}
+                   **measure_pass(cfg, proc.pid, min(args.client_processes, concurrency), metrics_url)}
             if offline is not None:
                 row["offline_output_tok_s"] = offline["output_tok_s"]
                 row["ratio_to_offline"] = row["output_tok_s"] / offline["output_tok_s"]
@@ -311,6 +359,14 @@ def run_serve(args: argparse.Namespace, model_dir: Path, concurrency: int, env: 
 
 
 # -- the table ---------------------------------------------------------------------------------
+def engine_cell(engine: dict[str, float]) -> str:
+    """``steps (async) / ms per step / busy fraction`` of one run ('-' when not measured)."""
+    if not engine.get("steps"):
+        return "-"
+    busy = f"{engine['busy_fraction']:.2f}" if "busy_fraction" in engine else "1"
+    return f"{engine['steps']:,.0f} ({engine.get('async_steps', 0):,.0f}) / {engine.get('ms_per_step', 0):.1f} / {busy}"
+
+
 def markdown_table(res: dict[str, Any]) -> str:
     """The result as markdown: a heading line with model, device, date and command, then one
     row per concurrency and pass."""
@@ -320,15 +376,16 @@ def markdown_table(res: dict[str, Any]) -> str:
              f"Host: {res['host_cpu']}.")
     header = ("| concurrency | pass | output tok/s | offline engine tok/s (max_num_seqs) | full / offline "
               "| TTFT mean / median / p99 ms | ITL mean / median / p99 ms "
-              "| CPU s per 1k output tokens: gateway / worker / Redis / client |")
+              "| CPU s per 1k output tokens: gateway / worker / Redis / client "
+              "| engine steps (async) / ms per step / busy: serve vs offline |")
     lines = [f"## {st['model']} through `inferq serve` vs the offline engine: {res['device']}, {res['date']}", "",
-             about, "", header, "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             about, "", header, "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for run in res["serve"]:
         offline = res["offline"].get(str(run["max_num_seqs"]))
         off = f"{offline['output_tok_s']:,.0f} ({run['max_num_seqs']})" if offline else "-"
         if not run["passes"]:
             why = "serve failed (`error` in the JSON)" if "error" in run else "not run"
-            lines.append(f"| {run['concurrency']} | - | {why} | {off} | | | | |")
+            lines.append(f"| {run['concurrency']} | - | {why} | {off} | | | | | |")
         for p in run["passes"]:
             ratio = f"{p['ratio_to_offline']:.2f}" if "ratio_to_offline" in p else "-"
             lat = {k: " / ".join(f"{p[k][q]:,.0f}" if p[k][q] >= 10 else f"{p[k][q]:.1f}"
@@ -337,7 +394,8 @@ def markdown_table(res: dict[str, Any]) -> str:
             failed = f" ({p['failed']} failed)" if p["failed"] else ""
             lines.append(f"| {run['concurrency']} | {p['pass']}{' (first after start)' if p['pass'] == 1 else ''} "
                          f"| {p['output_tok_s']:,.0f}{failed} | {off} | {ratio} | {lat['ttft_ms']} "
-                         f"| {lat['itl_ms']} | {cpu} |")
+                         f"| {lat['itl_ms']} | {cpu} | {engine_cell(p.get('engine', {}))} vs "
+                         f"{engine_cell(offline.get('engine', {}) if offline else {})} |")
     starts = ", ".join(f"{r['startup_s']:.0f} s" for r in res["serve"] if "startup_s" in r)
     lines += ["", f"Serve start to ready: {starts or '-'}."]
     if res.get("stopped_early"):
@@ -367,6 +425,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--start-timeout-s", type=float, default=300.0, help="serve start to /ready, at most")
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/product_h100.json")
     ap.add_argument("--log-dir", default="/tmp/inferq-product-bench", help="logs of serve and the offline runs")
+    ap.add_argument("--step-trace", action="store_true",
+                    help="the worker writes its per-step timeline to --log-dir/steps-c<concurrency>.jsonl")
     ap.add_argument("--offline-child", type=Path, help=argparse.SUPPRESS)
     args, extra = ap.parse_known_args(argv)
     try:

@@ -19,6 +19,8 @@ Sections (``--sections``, comma-separated; default all):
            best of ``--repeat`` each (the host is shared: the load average is recorded).
 
 Run: python -m bench.structured_bench --out bench/results/structured_cpu.json
+On a GPU (docs/operations.md, "On a lent GPU machine"): python -m bench.structured_bench
+--sections engine --dummy-model Qwen2.5-7B --tokenizer-dir .tokenizer --out $OUT/structured_h100.json
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import os
 import statistics
 import time
 from datetime import date
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -181,11 +184,13 @@ class _MaskTimer:
         sampler_mod.apply_token_bitmask_ = timed_apply  # type: ignore[assignment]
 
 
-def bench_engine(repeat: int) -> dict[str, Any]:
+def bench_engine(repeat: int, model: str = MODEL, **settings: Any) -> dict[str, Any]:
+    """The engine section (module docstring) on ``model`` (default float32 on the CPU;
+    ``settings`` are ``LLM`` keywords, e.g. a dummy GPU model's ``load_format``)."""
     from shared.sampling import SamplingParams, StructuredOutput
     from worker.llm import LLM
 
-    llm = LLM(MODEL, dtype="float32", max_num_seqs=NUM_PROMPTS)
+    llm = LLM(model, max_num_seqs=NUM_PROMPTS, **({"dtype": "float32"} | settings))
     timer = _MaskTimer(llm.engine)
     prompts = [llm.tokenizer.apply_chat_template(
         [{"role": "user", "content": f"Describe person number {i} as JSON, with many tags."}],
@@ -221,6 +226,9 @@ def main() -> None:
     p.add_argument("--sections", default="grammar,engine")
     p.add_argument("--repeat", type=int, default=2, help="engine runs of each kind (best counts)")
     p.add_argument("--out", default="bench/results/structured_cpu.json")
+    p.add_argument("--dummy-model", help="engine section on this named dummy config (bench/model_folder.py), "
+                   "with --tokenizer-dir's files beside it, in the device's default dtype (a GPU run)")
+    p.add_argument("--tokenizer-dir", type=Path, help="with --dummy-model: the default model's tokenizer files")
     args = p.parse_args()
     sections = set(args.sections.split(","))
     result: dict[str, Any] = {"date": date.today().isoformat(), "machine": cpu_description(),
@@ -230,7 +238,19 @@ def main() -> None:
         result["grammar"] = bench_grammar()
         for row in result["grammar"]:
             print(json.dumps(row), flush=True)
-    if "engine" in sections:
+    if "engine" in sections and args.dummy_model:
+        import tempfile
+
+        from bench.model_folder import build_model_folder
+
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = build_model_folder(args.dummy_model, Path(tmp), args.tokenizer_dir)[0]
+            result["engine"] = bench_engine(args.repeat, str(folder), load_format="dummy", dtype="auto")
+        result["model"] = f"{args.dummy_model} (dummy weights, {MODEL}'s tokenizer)"
+        if torch.cuda.is_available():
+            result["machine"] = torch.cuda.get_device_name()
+        print(json.dumps(result["engine"]["best"]), flush=True)
+    elif "engine" in sections:
         result["engine"] = bench_engine(args.repeat)
         print(json.dumps(result["engine"]["best"]), flush=True)
     result["load_average_at_end"] = os.getloadavg()[0]  # other processes on the shared host

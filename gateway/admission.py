@@ -1,9 +1,10 @@
 """Admission control and enqueue: refuse work when the model's queue is full (429),
-answer 503 when Redis is unreachable, and put accepted requests on the stream with one
-XADD (nothing half-written)."""
+answer 503 when Redis is unreachable, and put accepted requests on the stream: one
+request's child requests (gateway/choices.py) in one atomic step, all of them or none."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Iterator
 
@@ -31,8 +32,53 @@ def redis_guard(what: str) -> Iterator[None]:
         raise OpenAIError(503, f"Redis is unavailable ({what}): {exc}", code="redis_unavailable") from exc
 
 
-async def check_queue(client: aioredis.Redis, stream: str, max_queue_len: int) -> None:
-    """Refuse a new request when ``stream`` holds ``max_queue_len`` waiting requests.
+class QueueDepthReader:
+    """The model stream's queue depth for admission, one Redis read shared by every
+    admission that arrives while it is in flight (single flight).
+
+    A gateway admitting 1,000 requests at once used to read XLEN + XPENDING once per
+    request: a pipeline round trip each, about a quarter of its CPU during the burst
+    (py-spy, 2026-11-24). Now an admission joins the read in flight, or starts one when
+    none is; a later admission never reuses a finished read, so sequential requests each
+    see a fresh depth. Admissions that shared a read count each other's children.
+    """
+
+    def __init__(self, client: aioredis.Redis, stream: str) -> None:
+        self._client = client
+        self._stream = stream
+        self._read: _SharedRead | None = None
+
+    async def depth(self) -> tuple[int, _SharedRead]:
+        """``(depth, read)``: waiting requests as of the shared read plus the children
+        admitted on it so far; pass ``read`` to ``admitted`` once the check passes.
+
+        Raises:
+            redis.exceptions.RedisError, OSError: Redis unreachable.
+        """
+        read = self._read
+        if read is None:
+            read = self._read = _SharedRead(asyncio.ensure_future(queue_depth(self._client, self._stream)))
+            read.future.add_done_callback(lambda _: self._forget(read))
+        return await asyncio.shield(read.future) + read.num_admitted, read
+
+    def _forget(self, read: _SharedRead) -> None:
+        if self._read is read:
+            self._read = None
+
+
+class _SharedRead:
+    """One depth read in flight and the children admitted on its figure."""
+
+    __slots__ = ("future", "num_admitted")
+
+    def __init__(self, future: asyncio.Future[int]) -> None:
+        self.future = future
+        self.num_admitted = 0
+
+
+async def check_queue(reader: QueueDepthReader, max_queue_len: int, num_new: int = 1) -> None:
+    """Refuse ``num_new`` new requests (one client request's children) when they would
+    take the stream past ``max_queue_len`` waiting requests.
 
     The check and the later XADD are not atomic: concurrent requests can overshoot the
     limit by the number of gateways' in-flight admissions, which is acceptable for a soft
@@ -42,41 +88,113 @@ async def check_queue(client: aioredis.Redis, stream: str, max_queue_len: int) -
         OpenAIError: 429 with ``Retry-After`` when full; 503 when Redis is unreachable.
     """
     with redis_guard("queue depth"):
-        depth = await queue_depth(client, stream)
-    if depth >= max_queue_len:
+        depth, read = await reader.depth()
+    if depth + num_new > max_queue_len:
         raise OpenAIError(429, f"the request queue is full ({depth} waiting); retry later",
                           code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+    read.num_admitted += num_new
 
 
-# SET NX the request-id key (value: the wire request id, so only this request frees it)
-# and XADD in one atomic step: either both happen or neither (a duplicate id adds
-# nothing to the stream).
+# SET NX the request-id key (value: the request's wire id, so only this request frees it)
+# and XADD every child in one atomic step: either all happen or none (a duplicate id
+# adds nothing to the stream). ARGV: ttl, stream field, wire id, then one payload per child.
 _ENQUEUE_ONCE = """
-if redis.call('SET', KEYS[2], ARGV[4], 'NX', 'EX', ARGV[2]) then
-  return redis.call('XADD', KEYS[1], '*', ARGV[3], ARGV[1])
+if not redis.call('SET', KEYS[2], ARGV[3], 'NX', 'EX', ARGV[1]) then
+  return false
 end
-return false
+local ids = {}
+for i = 4, #ARGV do
+  ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[i])
+end
+return ids
 """
 
 
-async def enqueue(client: aioredis.Redis, stream: str, request: GenerateRequest,
-                  request_id_key: str | None = None, ttl_s: int = 0) -> bytes:
-    """XADD ``request`` to ``stream``; returns the entry id. With ``request_id_key``
-    (a client-supplied id), the XADD happens only if that key did not exist; the key
-    then holds ``request.request_id`` until the request ends (``gateway/request_ids.py``
-    deletes it) or for ``ttl_s`` seconds at most, so the same id does not run twice at
-    once.
+class Enqueuer:
+    """Puts accepted requests on the model's stream.
 
-    Raises:
-        OpenAIError: 409 duplicate request id; 503 when Redis is unreachable.
+    A single-child request without an X-Request-Id (the common case) goes through a group
+    commit: XADDs that arrive while one batch is being written go out together in the
+    next non-transactional pipeline, one round trip on one connection. Under a burst of
+    1,000 requests, one XADD each had every request take its own pooled connection (the
+    pool's lock and 1,000 connection handshakes) and a round trip, and the first request
+    reached the stream only after nearly all of them were parsed (py-spy and the time to
+    the first XADD, 2026-11-24: docs/benchmarks.md, "Admission under a burst"). Each XADD
+    is atomic on its own, so batching them changes nothing about what a failure leaves.
     """
-    payload = protocol.encode(request)
-    with redis_guard("enqueue"):
-        if request_id_key is None:
-            return await client.xadd(stream, {STREAM_FIELD: payload})
-        entry_id = await client.eval(_ENQUEUE_ONCE, 2, stream, request_id_key, payload, max(1, ttl_s),
-                                     STREAM_FIELD, request.request_id)
-    if entry_id is None:
-        raise OpenAIError(409, "a request with this X-Request-Id is still in flight; send it again after it ends",
-                          param="X-Request-Id", code="duplicate_request")
-    return entry_id
+
+    def __init__(self, client: aioredis.Redis, stream: str) -> None:
+        self._client = client
+        self._stream = stream
+        self._batch: list[tuple[bytes, asyncio.Future[bytes]]] = []
+        self._writer: asyncio.Task[None] | None = None
+
+    async def enqueue(self, requests: list[GenerateRequest], request_id_key: str | None = None, wire_id: str = "",
+                      ttl_s: int = 0) -> list[bytes]:
+        """XADD ``requests`` (one client request's children) in one atomic step (a Lua
+        script, or MULTI/EXEC without ``request_id_key``; a lone request: the group
+        commit): all of them or none. Returns their entry ids, in order. With
+        ``request_id_key`` (a client-supplied id), the XADDs happen only if that key did
+        not exist; the key then holds ``wire_id`` until the request ends
+        (``gateway/request_ids.py`` deletes it) or for ``ttl_s`` seconds at most, so the
+        same id does not run twice at once.
+
+        Raises:
+            OpenAIError: 409 duplicate request id; 503 when Redis is unreachable or refuses
+                the write (e.g. out of memory).
+        """
+        payloads = [protocol.encode(r) for r in requests]  # before any write: an error here writes nothing
+        with redis_guard("enqueue"):
+            try:
+                if request_id_key is None and len(payloads) == 1:
+                    return [await self._add_to_batch(payloads[0])]
+                if request_id_key is None:
+                    async with self._client.pipeline(transaction=True) as pipe:
+                        for payload in payloads:
+                            pipe.xadd(self._stream, {STREAM_FIELD: payload})
+                        return list(await pipe.execute())
+                entry_ids = await self._client.eval(_ENQUEUE_ONCE, 2, self._stream, request_id_key, max(1, ttl_s),
+                                                    STREAM_FIELD, wire_id, *payloads)
+            except redis.exceptions.ResponseError as exc:
+                raise OpenAIError(503, f"Redis refused the request ({exc})", code="redis_unavailable") from exc
+        if entry_ids is None:
+            raise OpenAIError(409, "a request with this X-Request-Id is still in flight; send it again after it ends",
+                              param="X-Request-Id", code="duplicate_request")
+        return list(entry_ids)
+
+    async def _add_to_batch(self, payload: bytes) -> bytes:
+        """One XADD through the group commit; its entry id, or its error raised."""
+        future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._batch.append((payload, future))
+        if self._writer is None:
+            self._writer = asyncio.create_task(self._write_batches())
+        # Shielded: a client that leaves must not cancel the write of everyone's batch.
+        return await asyncio.shield(future)
+
+    async def _write_batches(self) -> None:
+        """Write batches until none is waiting; every future gets its entry id or error
+        (also when this task is cancelled: the XADDs not confirmed fail as unreachable)."""
+        batch: list[tuple[bytes, asyncio.Future[bytes]]] = []
+        try:
+            while self._batch:
+                batch, self._batch = self._batch, []
+                try:
+                    async with self._client.pipeline(transaction=False) as pipe:
+                        for payload, _ in batch:
+                            pipe.xadd(self._stream, {STREAM_FIELD: payload})
+                        results = await pipe.execute(raise_on_error=False)
+                except Exception as exc:  # noqa: BLE001 - connection lost: every XADD of the batch fails
+                    results = [exc] * len(batch)
+                for (_, future), result in zip(batch, results, strict=True):
+                    if future.done():
+                        continue
+                    if isinstance(result, BaseException):
+                        future.set_exception(result)
+                    else:
+                        future.set_result(result)
+        finally:
+            self._writer = None
+            for _, future in batch + self._batch:
+                if not future.done():
+                    future.set_exception(redis.exceptions.ConnectionError("the enqueue writer stopped"))
+            self._batch = []

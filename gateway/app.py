@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from gateway.admission import Enqueuer, QueueDepthReader
 from gateway.errors import OpenAIError, install_error_handlers
 from gateway.failover import failover_loop
 from gateway.handlers import check_auth, handle_generate
@@ -102,6 +103,8 @@ def create_app(gateway: GatewaySettings, redis: RedisSettings, model: ModelSetti
             tokenizer=TokenizerWorker(tokenizer, source.config, num_encode_threads=gateway.num_tokenizer_threads,
                                       encode_timeout_s=gateway.tokenize_timeout_s),
             metrics=metrics, tasks=BackgroundTasks(),
+            queue_depth=QueueDepthReader(client, keys.requests_stream(served_name)),
+            enqueuer=Enqueuer(client, keys.requests_stream(served_name)),
             created_unix_s=int(time.time()),
             max_model_len=max_model_len(source.config, model.max_model_len))
         app.state.inferq = state

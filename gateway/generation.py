@@ -69,6 +69,9 @@ class Generation:
         self.entry_id: bytes | None = None
         self.worker_id: str | None = None
         self.output_ids: list[int] = []
+        #: The prompt tokens' logprobs (``TokenOutput.prompt_logprobs``: entry ``i`` scores
+        #: prompt token ``i + 1``), from the first entry, when the request asked for them.
+        self.prompt_logprobs: list[TokenLogprobs] | None = None
         # Delivery: steps not yet taken by the handler; ``_ready`` is set when there are
         # some (streams) or when the output is over (``_over``: finished or failed).
         self._steps: list[Step] = []
@@ -109,6 +112,8 @@ class Generation:
             self.worker_done = True
         if self._over:
             return True
+        if out.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.finish_reason == "abort":
             self.fail(OpenAIError(500, "the request was aborted by the worker", code="aborted"))
             return True

@@ -100,6 +100,31 @@ def completion_logprobs(texts: TokenTexts, token_ids: Sequence[int], logprobs: S
             "text_offset": offsets}
 
 
+def prompt_completion_logprobs(texts: TokenTexts, prompt_ids: Sequence[int], prompt_logprobs: Sequence[TokenLogprobs],
+                               num_top: int, text_offset: int = 0) -> dict[str, Any]:
+    """Completions ``logprobs`` of an echoed prompt (``echo`` with ``logprobs``): as
+    ``completion_logprobs``, the first prompt token with ``None`` logprob and ``None``
+    top_logprobs (nothing predicts it), as OpenAI and vLLM answer. ``prompt_logprobs``
+    scores ``prompt_ids[1:]`` (``TokenOutput.prompt_logprobs``).
+
+    Raises:
+        ValueError: ``len(prompt_logprobs) != len(prompt_ids) - 1``.
+    """
+    if not prompt_ids:
+        return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    first_text = texts.get(prompt_ids[0])[0]
+    rest = completion_logprobs(texts, prompt_ids[1:], prompt_logprobs, num_top, text_offset + len(first_text))
+    return {"tokens": [first_text, *rest["tokens"]], "token_logprobs": [None, *rest["token_logprobs"]],
+            "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": [text_offset, *rest["text_offset"]]}
+
+
+def join_completion_logprobs(first: dict[str, Any], then: dict[str, Any] | None) -> dict[str, Any]:
+    """Two completions ``logprobs`` objects of consecutive tokens as one."""
+    if then is None:
+        return first
+    return {key: [*first[key], *then[key]] for key in first}
+
+
 _TEXTS: dict[int, tuple[Any, TokenTexts]] = {}
 
 
@@ -126,5 +151,14 @@ class LogprobsFormatter:
         if self.chat:
             return chat_logprobs(self._texts, token_ids, logprobs, self.num_top)
         out = completion_logprobs(self._texts, token_ids, logprobs, self.num_top, self._offset)
+        self._offset += sum(len(t) for t in out["tokens"])
+        return out
+
+    def format_prompt(self, prompt_ids: Sequence[int], prompt_logprobs: Sequence[TokenLogprobs]) -> dict[str, Any]:
+        """The completions ``logprobs`` object of an echoed prompt, before any output token
+        (``prompt_completion_logprobs``); the output's ``text_offset`` then counts on from
+        the prompt's end."""
+        assert not self.chat, "echo is a completions field"
+        out = prompt_completion_logprobs(self._texts, prompt_ids, prompt_logprobs, self.num_top, self._offset)
         self._offset += sum(len(t) for t in out["tokens"])
         return out

@@ -45,11 +45,12 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """``logprobs`` of a completions choice (gateway/logprobs.py)."""
+    """``logprobs`` of a completions choice (gateway/logprobs.py); with ``echo``, the prompt's
+    tokens come first, the first of them with null ``token_logprobs`` and ``top_logprobs``."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

@@ -34,12 +34,14 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
 
 @dataclass(frozen=True, slots=True)
 class ResponseShape:
-    """What differs between the two endpoints' bodies."""
+    """What differs between the two endpoints' bodies, for the choice ``index`` of a
+    response (gateway/choices.py: prompt index * n + choice index)."""
 
     request_id: str
     model: str
     created_unix_s: int
     chat: bool
+    index: int = 0
     #: ``sse_event(self.chunk(text))`` = ``_text_head + <text as JSON> + _text_tail``.
     _text_head: bytes = field(init=False, repr=False)
     _text_tail: bytes = field(init=False, repr=False)
@@ -53,25 +55,27 @@ class ResponseShape:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created_unix_s, "model": self.model}
 
-    def body(self, text: str | None, finish_reason: str | None, usage_: dict[str, int],
-             tool_calls: list[dict[str, Any]] | None = None, logprobs: dict[str, Any] | None = None
-             ) -> dict[str, Any]:
-        """The non-streaming response body (chat ``tool_calls``: gateway/tool_parser.py;
+    def choice(self, text: str | None, finish_reason: str | None, tool_calls: list[dict[str, Any]] | None = None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """This choice of a non-streaming body (chat ``tool_calls``: gateway/tool_parser.py;
         ``logprobs``: gateway/logprobs.py)."""
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if tool_calls:
                 message["tool_calls"] = tool_calls
-            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
-            return {**self._head("chat.completion"), "choices": [choice], "usage": usage_}
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        return {**self._head("text_completion"), "choices": [choice], "usage": usage_}
+            return {"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def body(self, choices: list[dict[str, Any]], usage_: dict[str, int]) -> dict[str, Any]:
+        """The non-streaming response body with ``choices`` (``choice``'s, in index order)."""
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices,
+                "usage": usage_}
 
     def first_chunk(self) -> dict[str, Any] | None:
         """The role chunk that opens a chat stream (None for completions)."""
         if not self.chat:
             return None
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        choice = {"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None}
         return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
@@ -81,9 +85,9 @@ class ResponseShape:
         the logprobs of the tokens in it when asked for."""
         if self.chat:
             delta = {"content": text} if text or finish_reason is None else {}
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self._head("text_completion"), "choices": [choice]}
 
     def chunk_event(self, text: str, finish_reason: str | None = None,
@@ -96,7 +100,7 @@ class ResponseShape:
 
     def delta_event(self, delta: dict[str, Any]) -> bytes:
         """A chat stream chunk with ``delta`` as given (a tool-call delta), as an SSE event."""
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+        choice = {"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None}
         return sse_event({**self._head("chat.completion.chunk"), "choices": [choice]})
 
     def usage_chunk(self, usage_: dict[str, int]) -> dict[str, Any]:

@@ -5,8 +5,7 @@ Types are strict, as OpenAI's are: ``"stream": "yes"``, ``"max_tokens": "16"`` a
 ``"prompt": [true, 2]`` are refused rather than coerced (JSON integers are accepted for
 float fields). Unknown fields are ignored, as OpenAI-compatible servers do (the
 structured-output objects of gateway/structured.py refuse them). Fields that inferq does
-not implement yet (``echo``, ``n > 1``) are refused with a 400 rather than
-silently ignored. List fields are bounded (``MAX_NUM_*`` below; the character bound of
+not implement (``suffix``) are refused with a 400 rather than silently ignored. List fields are bounded (``MAX_NUM_*`` below; the character bound of
 prompts is in gateway/tokenize.py); docs/operations.md lists every limit.
 """
 
@@ -35,6 +34,13 @@ MAX_NUM_STOP_TOKEN_IDS = 256
 MAX_NUM_MESSAGES = 2048
 #: Most ``logit_bias`` entries per request (every worker step adds them to the logits).
 MAX_NUM_LOGIT_BIAS = 1024
+#: Most choices per prompt (``n``): each is a child request with its own KV blocks past
+#: the shared prompt (gateway/choices.py).
+MAX_N = 16
+#: Most prompts in one /v1/completions request (a list of strings or of token-id lists).
+MAX_NUM_PROMPTS = 32
+#: Most choices in one response, prompts * ``n``: the child requests one request enqueues.
+MAX_NUM_CHOICES = 64
 #: Most ``logprobs`` alternatives of ``/v1/completions`` (OpenAI's limit; chat allows ``MAX_LOGPROBS``).
 MAX_COMPLETION_LOGPROBS = 5
 #: ``X-Request-Id``: matched whole (``re.fullmatch``; a pattern ending in ``$`` would also
@@ -103,8 +109,11 @@ class _SamplingFields(StructuredFields):
         if self.logit_bias is not None and len(self.logit_bias) > MAX_NUM_LOGIT_BIAS:
             raise OpenAIError(400, f"logit_bias takes at most {MAX_NUM_LOGIT_BIAS} tokens, got "
                               f"{len(self.logit_bias)}", param="logit_bias")
-        if self.n not in (None, 1):
-            raise OpenAIError(400, "only n=1 is supported", param="n")
+        if not 1 <= self.num_choices <= MAX_N:
+            raise OpenAIError(400, f"n must be in [1, {MAX_N}], got {self.n}", param="n")
+        if self.seed is not None and self.seed + self.num_choices - 1 > 2**63 - 1:
+            raise OpenAIError(400, "seed + n - 1 must fit 64 bits (choice k is sampled with seed + k)",
+                              param="seed")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if len(stops) > MAX_NUM_STOP_STRINGS:
             raise OpenAIError(400, f"stop takes at most {MAX_NUM_STOP_STRINGS} strings, got {len(stops)}",
@@ -118,9 +127,20 @@ class _SamplingFields(StructuredFields):
                               f"{len(self.stop_token_ids)}", param="stop_token_ids")
 
     @property
+    def num_choices(self) -> int:
+        """``n``: choices per prompt (null: 1)."""
+        return 1 if self.n is None else self.n
+
+    @property
     def num_logprobs(self) -> int | None:
         """Top alternatives per output token to return (``SamplingParams.logprobs``);
         None: no logprobs."""
+        return None
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Top alternatives per prompt token to return (``SamplingParams.prompt_logprobs``);
+        None: none."""
         return None
 
     def sampling_params(self, max_tokens: int, *, vocab_size: int | None = None,
@@ -142,6 +162,7 @@ class _SamplingFields(StructuredFields):
             structured=structured,
             logit_bias=self._logit_bias(vocab_size),
             logprobs=self.num_logprobs,
+            prompt_logprobs=self.num_prompt_logprobs,
             **{name: value for name, value in given.items() if value is not None},
         )
         try:
@@ -186,17 +207,32 @@ class CompletionRequest(_SamplingFields):
         self.check_common()
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
             raise OpenAIError(400, f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}]", param="logprobs")
-        if self.echo:
-            raise OpenAIError(400, "echo is not supported yet", param="echo")
         if self.suffix:
             raise OpenAIError(400, "suffix is not supported", param="suffix")
-        batched = isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list))
-        if batched and len(self.prompt) != 1:
-            raise OpenAIError(400, "only one prompt per request is supported", param="prompt")
+        num_prompts = len(self.prompts)
+        if num_prompts > MAX_NUM_PROMPTS:
+            raise OpenAIError(400, f"prompt takes at most {MAX_NUM_PROMPTS} prompts, got {num_prompts}",
+                              param="prompt")
+        if num_prompts * self.num_choices > MAX_NUM_CHOICES:
+            raise OpenAIError(400, f"{num_prompts} prompts x n={self.num_choices} is {num_prompts * self.num_choices}"
+                              f" choices; at most {MAX_NUM_CHOICES} are allowed", param="n")
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: ``prompt`` as a list of strings or token-id lists (a string or a
+        token-id list alone is one prompt; an empty list stays one, empty, prompt)."""
+        if isinstance(self.prompt, str) or not self.prompt or isinstance(self.prompt[0], int):
+            return [self.prompt]  # type: ignore[list-item]
+        return list(self.prompt)  # type: ignore[arg-type]
 
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """``logprobs`` with ``echo`` (the prompt's logprobs are echoed too, as vLLM does)."""
+        return self.logprobs if self.echo else None
 
 
 class ContentPart(BaseModel):

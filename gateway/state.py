@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from gateway.admission import Enqueuer, QueueDepthReader
 from gateway.generation import Generation
 from gateway.metrics import GatewayMetrics
 from gateway.relay import Relay
@@ -40,6 +41,10 @@ class GatewayState:
     tokenizer: TokenizerWorker
     metrics: GatewayMetrics
     tasks: BackgroundTasks
+    #: The stream's queue depth for admission (one Redis read shared by concurrent requests).
+    queue_depth: QueueDepthReader
+    #: Puts accepted requests on the stream (XADDs of lone requests group-committed).
+    enqueuer: Enqueuer
     created_unix_s: int
     #: Longest prompt + output, tokens (``shared.model_source.max_model_len``, which
     #: every backend uses too).

@@ -186,8 +186,17 @@ class TokenizerWorker:
             raise OpenAIError(400, f"the {param} is {num_chars} characters, at least {min_tokens} tokens; this "
                               f"model's maximum context length is {max_model_len} tokens", param=param)
 
-    async def completion_prompt(self, prompt: str | Sequence[Any], max_model_len: int) -> list[int]:
-        """Token ids of a /v1/completions ``prompt`` (str, [str], [int] or [[int]]).
+    async def completion_prompts(self, prompts: Sequence[str | Sequence[int]], max_model_len: int) -> list[list[int]]:
+        """Token ids of each of a /v1/completions request's prompts (``CompletionRequest.prompts``),
+        encoded side by side on the pool.
+
+        Raises:
+            OpenAIError: as ``completion_prompt``, for the first prompt that fails.
+        """
+        return list(await asyncio.gather(*(self.completion_prompt(p, max_model_len) for p in prompts)))
+
+    async def completion_prompt(self, prompt: str | Sequence[int], max_model_len: int) -> list[int]:
+        """Token ids of one /v1/completions prompt (a string, or token ids).
 
         A prompt that cannot fit ``max_model_len`` is refused before any per-token work.
 
@@ -195,8 +204,6 @@ class TokenizerWorker:
             OpenAIError: 400 for an empty or too long prompt or token ids outside the
                 vocabulary; 503 when encoding overran its time budget.
         """
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
         if isinstance(prompt, str):
             self.check_prompt_chars(len(prompt), max_model_len, "prompt")
             ids = await self.run_blocking(self.encode, prompt, True, max_model_len, param="prompt")

@@ -4,26 +4,23 @@ the grammar that enforces ``tool_choice: "required"`` or a named function
 (docs/operations.md, "Tool calling"). The output side, text to ``tool_calls``, is
 gateway/tool_parser.py.
 
-Format: Hermes (Qwen 2.5, SmolLM2-style ChatML models). The model calls a tool by writing
-
-    <tool_call>
-    {"name": "<function name>", "arguments": <arguments as a JSON object>}
-    </tool_call>
-
-one block per call. A chat template that renders ``tools`` itself (its text names
-``tools``, as Qwen 2.5's does) gets them through ``apply_chat_template(tools=...)``. One
-that does not (SmolLM2's) gets them in a system message written here, the same words as
-Qwen 2.5's template, and the history's tool calls and tool results as Qwen's template
+Formats (gateway/tool_formats.py): Hermes ``<tool_call>`` blocks, or Llama 3's bare
+JSON ``{"name": ..., "parameters": {...}}``, as the chat template teaches
+(``tool_format_for_template``; the handler stores it in ``ToolFields.tool_format``). A chat
+template that renders ``tools`` itself (its text names ``tools``, as Qwen 2.5's and
+Llama 3.1's do) gets them through ``apply_chat_template(tools=...)``. One that does not
+(SmolLM2's) gets them in a system message written here, the same words as Qwen 2.5's
+template (so Hermes), and the history's tool calls and tool results as Qwen's template
 writes them (``<tool_call>`` blocks in the assistant's text, ``<tool_response>`` blocks
 in a user message).
 
 Enforcement: ``required`` and a named function become a Lark grammar (llguidance's, with
 each tool's ``parameters`` embedded as ``%json``), carried as a ``grammar``
 ``StructuredOutput``: the output is one call (or, with ``parallel_tool_calls``, one or
-more), of an offered tool, whose arguments match its schema (closed with
-``additionalProperties: false`` when the tool is ``strict``), in compact JSON. ``auto``
-is not constrained; ``none`` offers the tools in the prompt and parses nothing (vLLM's
-default).
+more), in the template's format, of an offered tool, whose arguments match its schema
+(closed with ``additionalProperties: false`` when the tool is ``strict``), in compact
+JSON. ``auto`` is not constrained; ``none`` offers the tools in the prompt and parses
+nothing (vLLM's default).
 """
 
 from __future__ import annotations
@@ -31,10 +28,11 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from gateway.errors import OpenAIError
 from gateway.structured import Constraint
+from gateway.tool_formats import HERMES, ToolFormat
 from shared.grammars import close_objects
 
 #: Sub-objects of a request: strict types, unknown fields refused.
@@ -47,8 +45,6 @@ _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 #: llguidance's JSON options for the embedded argument schemas: compact JSON, no keyword
 #: silently ignored (as shared/grammars.py's, for the same reasons).
 _JSON_OPTIONS = {"whitespace_flexible": False, "lenient": False, "coerce_one_of": False}
-#: The Hermes tags around one call.
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 #: Qwen 2.5's tools system prompt, for templates that do not render ``tools``.
 _TOOLS_PROMPT = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -132,6 +128,18 @@ class ToolFields(BaseModel):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = True
+    #: The model's tool-call format (not a request field: the handler sets it from the
+    #: chat template, ``tool_format_for_template``).
+    _tool_format: ToolFormat = PrivateAttr(default=HERMES)
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        """The format the forcing grammar writes and the parser reads (default Hermes)."""
+        return self._tool_format
+
+    @tool_format.setter
+    def tool_format(self, value: ToolFormat) -> None:
+        self._tool_format = value
 
     def check_tools(self) -> None:
         """Cheap checks of the tool fields.
@@ -179,25 +187,29 @@ class ToolFields(BaseModel):
         tools = [t.function for t in self.tools]
         if isinstance(self.tool_choice, NamedToolChoice):
             tools = [f for f in tools if f.name == self.tool_choice.function.name]
-        return Constraint("tools", "grammar", forcing_grammar(tools, parallel=self.max_num_tool_calls is None))
+        return Constraint("tools", "grammar", forcing_grammar(tools, parallel=self.max_num_tool_calls is None,
+                                                              tool_format=self.tool_format))
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """``tools`` as ``apply_chat_template(tools=...)`` takes them (None: no tools)."""
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
-def forcing_grammar(functions: list[FunctionDef], *, parallel: bool) -> str:
-    """A Lark grammar (llguidance's dialect) whose sentences are one Hermes call of one
-    of ``functions`` (``parallel``: one or more, newline-separated), the arguments
-    matching that function's schema in compact JSON."""
+def forcing_grammar(functions: list[FunctionDef], *, parallel: bool, tool_format: ToolFormat = HERMES) -> str:
+    """A Lark grammar (llguidance's dialect) whose sentences are one call of one of
+    ``functions`` in ``tool_format`` (``parallel``: one or more, with the format's
+    separator between), the arguments matching that function's schema in compact JSON:
+    Hermes ``<tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>``, Llama 3
+    ``{"name": "f", "parameters": {...}}``."""
+    fmt = tool_format
     rules = []
     for i, function in enumerate(functions):
         schema = {**function.arguments_schema(), "x-guidance": _JSON_OPTIONS}
-        head = json.dumps(f'{CALL_OPEN}\n{{"name": {json.dumps(function.name)}, "arguments": ')
-        rules.append(f"call_{i}: {head} args_{i} {json.dumps('}' + chr(10) + CALL_CLOSE)}\n"
+        head = json.dumps(f'{fmt.grammar_open}{{"name": {json.dumps(function.name)}, "{fmt.arguments_key}": ')
+        rules.append(f"call_{i}: {head} args_{i} {json.dumps('}' + fmt.grammar_close)}\n"
                      f"args_{i}: %json {json.dumps(schema)}\n")
     calls = " | ".join(f"call_{i}" for i in range(len(functions)))
-    start = 'start: call ("\\n" call)*\n' if parallel else "start: call\n"
+    start = f"start: call ({json.dumps(fmt.grammar_separator)} call)*\n" if parallel else "start: call\n"
     return start + f"call: {calls}\n" + "".join(rules)
 
 
@@ -216,7 +228,7 @@ def template_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]
     out: list[dict[str, Any]] = []
     for message in messages:
         if message["role"] == "assistant" and message.get("tool_calls"):
-            blocks = [f"{CALL_OPEN}\n{json.dumps(c['function'], ensure_ascii=False)}\n{CALL_CLOSE}"
+            blocks = [f"{HERMES.call_open}\n{json.dumps(c['function'], ensure_ascii=False)}\n{HERMES.call_close}"
                       for c in message["tool_calls"]]
             text = "\n".join(([message["content"]] if message["content"] else []) + blocks)
             out.append({"role": "assistant", "content": text})

@@ -75,6 +75,9 @@ class TokenOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     (prefix-cache hits, tokens) are set on its first entry. ``logprobs`` has one entry
     per ``token_ids`` entry when the request asked for them (``SamplingParams.logprobs``),
     else it is ``None`` and, like every default, left out of the payload.
+    ``prompt_logprobs`` (first entry only, when ``SamplingParams.prompt_logprobs`` is set
+    and the request carries no ``output_token_ids``) has one entry per prompt token
+    after the first: entry ``i`` scores ``prompt_token_ids[i + 1]``.
     """
 
     request_id: str
@@ -85,6 +88,7 @@ class TokenOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class TokenBatch(msgspec.Struct, tag="token_batch", kw_only=True):

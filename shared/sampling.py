@@ -54,7 +54,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     logit before penalties and sampling (OpenAI's ``logit_bias``: -100 bans, +100 forces).
     ``logprobs``: ``None``, none; ``k``, each output token's log-probability and those of
     the ``k`` most likely tokens (0: the sampled token's only), of the raw model
-    distribution (docs/operations.md, "Logprobs").
+    distribution (docs/operations.md, "Logprobs"). ``prompt_logprobs`` (vLLM's field):
+    ``None``, none; ``k``, the same for every prompt token after the first (the
+    completions API's ``echo`` with ``logprobs``); such a request bypasses the prefix
+    cache, since a cached block has no logits.
     """
 
     max_tokens: int = 16
@@ -72,6 +75,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     structured: StructuredOutput | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def validate(self) -> None:
         """Check every field.
@@ -95,6 +99,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
              f"logit_bias maps token ids >= 0 to biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
              f"logprobs must be in [0, {MAX_LOGPROBS}]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]"),
         ]
         for ok, param, message in checks:
             if not ok:

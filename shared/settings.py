@@ -178,6 +178,9 @@ class WorkerSettings:
         "seconds (0: off; keep it above the longest prefill step)"))
     fault_hang_after_steps: int = field(default=0, metadata=_doc(
         "FAULT INJECTION, tests only: engine step N+1 blocks forever (0: off)"))
+    step_trace: str = field(default="", metadata=_doc(
+        "Append one JSON line per engine step to this file (when it was handed over, ran, returned; "
+        "outputs; requests pulled before it), for benchmarks (empty: off)"))
 
     def __post_init__(self) -> None:
         """Raises: SettingsError: a value that is not allowed."""

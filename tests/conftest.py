@@ -38,6 +38,21 @@ def smollm_source():
 
 
 @pytest.fixture(scope="session")
+def vllm_backend(smollm_source):
+    """One vLLM engine (CPU build) on the default model for every ``vllm`` test module:
+    float32, eager, 128 MiB of KV cache, 8 sequences. Each test leaves it empty."""
+    from shared.settings import EngineSettings, ModelSettings
+    from worker.backends.vllm import VllmBackend
+
+    backend = VllmBackend(smollm_source, ModelSettings(max_model_len=1024),
+                          EngineSettings(enforce_eager=True, kv_cache_bytes=128 * 1024**2, max_num_seqs=8))
+    try:
+        yield backend
+    finally:
+        backend.close()
+
+
+@pytest.fixture(scope="session")
 def smollm_tokenizer(smollm_source):
     from transformers import AutoTokenizer
 

@@ -47,9 +47,9 @@ def _assert_openai_error(r: httpx.Response, status: int, param: str | None = Non
     ({"model": MODEL, "prompt": "hello " * 300}, "prompt"),
     ({"model": MODEL, "prompt": ""}, "prompt"),
     ({"model": MODEL, "prompt": [999999]}, "prompt"),
-    ({"model": MODEL, "prompt": "x", "n": 3}, "n"),
+    ({"model": MODEL, "prompt": "x", "n": 17}, "n"),
     ({"model": MODEL, "prompt": "x", "logprobs": 6}, "logprobs"),
-    ({"model": MODEL, "prompt": "x", "echo": True}, "echo"),
+    ({"model": MODEL, "prompt": "x", "suffix": "y"}, "suffix"),
     ({"model": MODEL, "prompt": {"a": 1}}, "prompt"),
 ])
 async def test_invalid_completion_is_400(harness, body, param):

@@ -166,12 +166,13 @@ _SHARED_PREFIX_EXPECTED: list[list[int]] = []
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("chunk_tokens, num_cached_b", [(2048, 0), (16, 16)], ids=["same-step", "chunked"])
+@pytest.mark.parametrize("chunk_tokens, num_cached_b", [(2048, 16), (16, 16)], ids=["same-step", "chunked"])
 def test_two_requests_computing_one_prefix(idle, smollm_tokenizer, monkeypatch, chunk_tokens: int,
                                            num_cached_b: int) -> None:
-    # same-step: both compute all 24 prompt tokens in one step, so neither finds the other's
-    # blocks; chunked (16 tokens a step): A's first chunk (a full block) is cached when B
-    # is admitted in the next step, and B starts from it. Either way 8 of the 9 blocks
+    # same-step: A computes all 24 prompt tokens in one step while B waits for A's first
+    # block (in-batch prefix caching, Scheduler._defer) and starts from it the step after;
+    # chunked (16 tokens a step): A's first chunk (a full block) is cached when B is
+    # admitted in the next step, and B starts from it. Either way 8 of the 9 blocks
     # suffice: no preemption.
     prompt = smollm_tokenizer.encode(PROSE)[:24]
     if not _SHARED_PREFIX_EXPECTED:

@@ -26,7 +26,7 @@ from shared.sampling import SamplingParams
 from shared.serve_ready import announce_when_ready
 from tests import processes
 from tests.test_faults import MODEL, STREAM, Stack, pending_total, read_tokens, stack, stream_completion  # noqa: F401
-from worker.progress import StepClock
+from worker.progress import StepClock, StepTrace
 
 #: The stall timeout the process tests give their workers, s.
 STALL_S = 2.0
@@ -225,3 +225,20 @@ def test_serve_logs_the_url_once_a_worker_is_ready(tmp_path, smollm_source) -> N
     finally:
         processes.stop(proc, signal.SIGINT, timeout_s=60)
     assert log_path.read_text().count("inferq ready:") == 1
+
+
+def test_step_trace_writes_one_ordered_line_per_step(tmp_path) -> None:
+    import json
+
+    trace = StepTrace(tmp_path / "steps.jsonl")
+    for num_outputs in (3, 1):
+        trace.pulled, trace.pull_s = 2, 0.001
+        handed_s = time.monotonic()
+        assert trace.wrap(lambda: "out")() == "out"
+        trace.record(handed_s, num_outputs)
+    trace.close()
+    lines = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert [(s["outputs"], s["pulled"], s["pull_s"]) for s in lines] == [(3, 2, 0.001), (1, 2, 0.001)]
+    for s in lines:
+        assert s["handed"] <= s["ran"] <= s["done"] <= s["back"]
+    assert lines[0]["back"] <= lines[1]["handed"]

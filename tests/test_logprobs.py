@@ -156,3 +156,35 @@ def test_cuda_graphs_and_async_path() -> None:
         for token, lp in zip(b.token_ids, b.logprobs, strict=True):
             assert lp.top[0][0] == token and lp.logprob == pytest.approx(lp.top[0][1])
             assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+
+
+@pytest.mark.cuda
+def test_cuda_prompt_logprobs_agree_with_output_logprobs() -> None:
+    """On CUDA (Triton attention, graphs, async scheduling): the prompt logprobs of a
+    prompt that is another request's prompt + greedy output (an eager prefill, over
+    several chunks) equal that request's output logprobs (decode graphs), and requests
+    that do not ask, in the same batches, keep their greedy tokens."""
+    from worker.llm import LLM
+
+    llm = LLM(model="SmolLM2-135M", load_format="dummy", dtype="float32", device="cuda", num_kv_blocks=256,
+              max_num_seqs=8, max_num_batched_tokens=16, max_model_len=512)
+    prompts = [[1 + i, 7, 9 + i, 11] * 5 for i in range(4)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    first = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=4))
+    extended = [p + out.token_ids for p, out in zip(prompts, first, strict=True)]
+    plain = llm.generate(extended, greedy)
+    eager_before = llm.engine.runner.num_eager_steps
+    mixed = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, prompt_logprobs=4 if i % 2 else None)
+             for i in range(len(extended))]
+    asked = llm.generate(extended, mixed)
+    assert llm.engine.runner.num_eager_steps > eager_before  # the scoring steps ran eagerly
+    for i, (a, b) in enumerate(zip(plain, asked, strict=True)):
+        assert a.token_ids == b.token_ids
+        if i % 2 == 0:
+            assert b.prompt_logprobs is None
+            continue
+        assert b.prompt_logprobs is not None and len(b.prompt_logprobs) == len(extended[i]) - 1
+        scored = b.prompt_logprobs[len(prompts[i]) - 1:]  # the positions that predicted first[i]'s tokens
+        for lp, ref in zip(scored, first[i].logprobs, strict=True):
+            assert lp.logprob == pytest.approx(ref.logprob, abs=2e-3)
+            assert [v for _, v in lp.top] == pytest.approx([v for _, v in ref.top], abs=2e-3)

@@ -141,7 +141,6 @@ async def test_no_logprobs_when_not_asked(harness):
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("/v1/completions", {"logprobs": 6}, "logprobs"),
     ("/v1/completions", {"logprobs": -1}, "logprobs"),
-    ("/v1/completions", {"echo": True}, "echo"),
 ])
 async def test_logprobs_400(harness, path, body, param):
     base = {"model": MODEL, **({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path

@@ -146,6 +146,7 @@ def test_gateway_and_worker_metrics_match_the_requests(stack: Stack) -> None:
     assert 0 < hits <= queries  # the repeated prompt's full blocks were found
     assert value(wk, "inferq:num_reclaimed_total", **wlabel) == 0
     assert value(wk, "inferq:engine_steps_total", **wlabel) >= max(u["completion_tokens"] for u in usages)
+    assert value(wk, "inferq:engine_busy_seconds_total", **wlabel) > 0  # the steps took time
 
 
 async def test_read_queue_counts_queued_pending_and_redelivered(redis_server) -> None:

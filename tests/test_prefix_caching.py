@@ -36,3 +36,34 @@ def test_prefix_caching_same_tokens() -> None:
     assert on_tokens == off_tokens
     assert all(n >= 992 for n in on_cached), on_cached  # the prefix's 62 full blocks
     assert off_cached == [0, 0]
+
+
+def test_siblings_added_together_prefill_their_prompt_once(offline, monkeypatch) -> None:
+    """In-batch prefix caching (docs/architecture.md, "Block manager and prefix caching"):
+    4 requests with one 100-token prompt, added together (the gateway's fan-out of
+    ``n = 4``), compute its 6 full blocks once; their greedy tokens are those of the
+    prompt run alone."""
+    text = " ".join(f"Sibling {i} reads line {i * 3} of the ledger in Brackley." for i in range(40))
+    prompt = offline.encode(text)[:100]
+    assert len(prompt) == 100
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    scheduler = offline.engine.scheduler
+    scheduler.block_manager.reset_prefix_cache()  # nothing cached from earlier tests
+    schedule = scheduler.schedule
+    num_prompt_tokens_computed = [0]
+
+    def counting_schedule():  # prompt tokens each step computes, before it runs
+        out = schedule()
+        for item in out.scheduled:
+            r = item.request
+            num_prompt_tokens_computed[0] += max(0, min(item.num_tokens, r.num_prompt_tokens - r.num_computed_tokens))
+        return out
+
+    monkeypatch.setattr(scheduler, "schedule", counting_schedule)
+    siblings = offline.generate([prompt] * 4, params)
+    assert num_prompt_tokens_computed[0] == 100 + 3 * 4  # the prompt once, then each one's 4-token tail
+    assert sorted(o.num_cached_tokens for o in siblings) == [0, 96, 96, 96]
+    scheduler.block_manager.reset_prefix_cache()
+    (alone,) = offline.generate([prompt], params)
+    assert alone.num_cached_tokens == 0
+    assert all(o.token_ids == alone.token_ids for o in siblings)

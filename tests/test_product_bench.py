@@ -13,6 +13,7 @@ import pytest
 
 from bench import product_bench
 from bench.model_folder import build_model_folder, export_tokenizer, pad_tokenizer_vocab
+from bench.step_trace import breakdown, load
 
 
 def test_passthrough_flags_become_settings_variables() -> None:
@@ -58,7 +59,8 @@ def test_tiny_cpu_run_writes_ratios_from_recorded_figures(tmp_path: Path, capsys
     code = product_bench.main(["--model", "SmolLM2-135M", "--device", "cpu", "--tokenizer-dir", str(tmp_path / "tok"),
                                "--num-prompts", str(num_prompts), "--input-len", "16", "--output-len", str(output_len),
                                "--concurrency", "6", "--max-num-seqs", "2", "--client-processes", "2",
-                               "--max-num-batched-tokens", "512", "--out", str(out), "--log-dir", str(tmp_path / "logs")])
+                               "--max-num-batched-tokens", "512", "--step-trace", "--out", str(out),
+                               "--log-dir", str(tmp_path / "logs")])
     printed = capsys.readouterr().out
     res = json.loads(out.read_text())
     assert code == 0, (res, [p.read_text()[-3000:] for p in (tmp_path / "logs").glob("*.log")])
@@ -69,6 +71,7 @@ def test_tiny_cpu_run_writes_ratios_from_recorded_figures(tmp_path: Path, capsys
     offline = res["offline"]["2"]
     assert offline["total_output_tokens"] == num_prompts * output_len
     assert offline["output_tok_s"] == pytest.approx(offline["total_output_tokens"] / offline["wall_s"])
+    assert offline["engine"]["steps"] >= output_len * num_prompts // 2  # 2 sequences a step at most
     assert res["settings"]["client_processes"] == 2
     assert [(r["concurrency"], r["max_num_seqs"]) for r in res["serve"]] == [(6, 2)]
     for run in res["serve"]:
@@ -78,6 +81,11 @@ def test_tiny_cpu_run_writes_ratios_from_recorded_figures(tmp_path: Path, capsys
             assert p["completed"] == num_prompts and p["failed"] == 0 and p["errors"] == []
             assert p["total_output_tokens"] == num_prompts * output_len
             assert p["output_tok_s"] == pytest.approx(p["total_output_tokens"] / p["duration_s"])
+            # The worker's engine counters, scraped around the pass: its steps ran inside it.
+            assert p["engine"]["steps"] >= output_len and 0 < p["engine"]["busy_fraction"] <= 1.0
+            # The worker's step trace covers the same steps (bench/step_trace.py splits the pass's wall time).
+            split = breakdown(load(tmp_path / "logs" / "steps-c6.jsonl"), *p["monotonic_s"])
+            assert split["steps"] == p["engine"]["steps"] and split["in_step"] <= split["wall_s"]
             assert p["offline_output_tok_s"] == offline["output_tok_s"]
             assert p["ratio_to_offline"] == pytest.approx(p["output_tok_s"] / offline["output_tok_s"])
             for name in ("ttft_ms", "itl_ms", "tpot_ms"):

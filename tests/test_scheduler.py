@@ -279,3 +279,69 @@ def test_request_larger_than_the_cache_is_refused_at_add_also_with_a_cached_pref
     with pytest.raises(ValueError, match="needs 9 KV blocks"):
         s.add(req("outputs-too", 30, max_tokens=4))
     assert "huge" not in s.requests and "outputs-too" not in s.requests
+
+
+# -- in-batch prefix caching: siblings of one prompt prefill it once ------------------------
+
+def test_siblings_of_one_prompt_wait_for_the_first_and_hit_its_blocks() -> None:
+    s = make(caching=True, block_size=4)
+    for i in range(4):
+        s.add(req(f"r{i}", 10))
+    counts, _ = run_step(s)
+    assert counts == {"r0": 10}  # r1..r3 wait: r0 computes their first block right now
+    assert [r.request_id for r in s.waiting] == ["r1", "r2", "r3"]
+    counts, _ = run_step(s)
+    assert counts == {"r0": 1, "r1": 2, "r2": 2, "r3": 2}  # 8 of 10 prompt tokens from r0's blocks
+    assert [s.requests[f"r{i}"].num_cached_tokens for i in range(4)] == [0, 8, 8, 8]
+
+
+def test_different_prompts_are_not_deferred_and_fcfs_holds() -> None:
+    s = make(caching=True, block_size=4)
+    s.add(req("a", 10))
+    s.add(Request("b", list(range(50, 60)), SamplingParams(max_tokens=4), frozenset({EOS})))
+    s.add(req("a-sibling", 10))
+    s.add(Request("c", list(range(70, 75)), SamplingParams(max_tokens=4), frozenset({EOS})))
+    counts, _ = run_step(s)
+    assert list(counts) == ["a", "b", "c"]  # in arrival order; only a's sibling waits
+    counts, _ = run_step(s)
+    assert counts["a-sibling"] == 2
+
+
+def test_a_deferred_request_runs_when_its_sibling_is_aborted_mid_prefill() -> None:
+    s = make(caching=True, block_size=4)
+    for rid in ("a", "b", "c"):
+        s.add(req(rid, 10))
+    out = s.schedule()
+    assert [x.request.request_id for x in out.scheduled] == ["a"]
+    assert s.abort("a") is not None  # while its prefill is in flight: its blocks are never cached
+    s.update(out, [7])
+    counts, _ = run_step(s)
+    assert counts == {"b": 10}  # nobody computes b's first block any more; c now waits for b
+    counts, _ = run_step(s)
+    assert counts == {"b": 1, "c": 2} and s.requests["c"].num_cached_tokens == 8
+
+
+def test_lookups_hash_each_block_once(monkeypatch) -> None:
+    """Requests that match nothing pay one hash per full block in all, however many
+    steps they wait, are preempted and recomputed (``Request.block_hashes``)."""
+    import random
+
+    from worker.engine import block_manager
+
+    calls = [0]
+    real = block_manager.block_hash
+
+    def counting(parent: int, tokens: tuple[int, ...]) -> int:
+        calls[0] += 1
+        return real(parent, tokens)
+
+    monkeypatch.setattr(block_manager, "block_hash", counting)
+    rng = random.Random(3)
+    s = Scheduler(BlockManager(24, 4, True), 4, 16)
+    requests = [Request(f"r{i}", [rng.randrange(1, 49152) for _ in range(rng.randint(5, 40))],
+                        SamplingParams(max_tokens=rng.randint(1, 20), ignore_eos=True), frozenset({EOS}))
+                for i in range(20)]
+    drive_to_completion(s, [(0, r) for r in requests])
+    assert s.num_preemptions > 0
+    num_full_blocks = sum(r.num_tokens // 4 for r in requests)
+    assert 0 < calls[0] <= num_full_blocks

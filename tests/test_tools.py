@@ -1,8 +1,8 @@
 """Tool calling at the gateway (issue 14, item 2): the tools and the history reach the
 prompt; ``required`` and a named function travel as a grammar that accepts exactly the
 calls of the offered tools with valid arguments; the model's Hermes ``<tool_call>`` blocks
-become ``tool_calls`` in one body and in a stream the official openai client assembles;
-bad requests are 400s with nothing enqueued (fixtures: test_gateway_harness.py, a fake
+(or, under a Llama 3 template, its JSON calls) become ``tool_calls`` in one body and in a
+stream of argument fragments that the official openai client assembles; bad requests are 400s with nothing enqueued (fixtures: test_gateway_harness.py, a fake
 worker on a real Redis that records each request and answers chosen text). The real
 model is in test_tools_e2e.py."""
 
@@ -18,7 +18,6 @@ import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
-from gateway.tool_parser import ToolCallStream, parse_tool_calls
 from shared.grammars import grammar_for
 from tests.test_gateway_harness import (  # noqa: F401 - fixtures are used by name
     MODEL,
@@ -31,6 +30,7 @@ from tests.test_gateway_harness import (  # noqa: F401 - fixtures are used by na
     tokenizer,
 )
 from tests.test_structured_gateway import _nothing_enqueued
+from tests.test_tool_parser import LLAMA31_TOOLS_TEMPLATE
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -222,6 +222,9 @@ async def test_streamed_tool_calls_assemble_as_the_one_body(harness, answer, con
     one = await client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, parallel_tool_calls=parallel)
     await client.close()
     streamed = state.get_final_completion().choices[0]
+    # The stream's fragments join to exactly the body's arguments text.
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls or []] == \
+        [(c.function.name, c.function.arguments) for c in one.choices[0].message.tool_calls or []]
     for choice in (streamed, one.choices[0]):
         assert (choice.message.content or None) == content and _calls(choice.message.tool_calls) == calls
         assert choice.finish_reason == ("tool_calls" if calls else "stop")
@@ -230,6 +233,8 @@ async def test_streamed_tool_calls_assemble_as_the_one_body(harness, answer, con
 
 
 async def test_stream_chunks_are_openai_tool_call_deltas(harness):
+    """OpenAI's shape: a call's first delta has index, id, type and the name; then its
+    arguments come in fragments (one token at a time here) that join to the body's."""
     _answer(harness, ANSWER)
     r = await harness.http.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, "tools": TOOLS,
                                                               "stream": True})
@@ -238,27 +243,76 @@ async def test_stream_chunks_are_openai_tool_call_deltas(harness):
     deltas = [json.loads(e)["choices"][0] for e in events[:-1]]
     content = "".join(d["delta"].get("content") or "" for d in deltas)
     tool_deltas = [t for d in deltas for t in d["delta"].get("tool_calls", [])]
+    assert all(len(d["delta"].get("tool_calls", [])) <= 1 for d in deltas)
     assert content == "Let me check."  # the newline before the first block is not content
-    assert [t["index"] for t in tool_deltas] == [0, 1]
-    assert all(t["id"].startswith("call_") and t["type"] == "function" for t in tool_deltas)
-    assert [(t["function"]["name"], json.loads(t["function"]["arguments"])) for t in tool_deltas] == EXPECTED_CALLS
+    firsts = [t for t in tool_deltas if "id" in t]
+    assert [t["index"] for t in firsts] == [0, 1]
+    assert all(t["id"].startswith("call_") and t["type"] == "function" for t in firsts)
+    assert [t["function"]["name"] for t in firsts] == ["get_weather", "get_time"]
+    rest = [t for t in tool_deltas if "id" not in t]
+    assert all(set(t) == {"index", "function"} and set(t["function"]) == {"arguments"} for t in rest)
+    assert len(rest) > 5  # the arguments are streamed, not sent once the call is over
+    assert [t["index"] for t in tool_deltas] == sorted(t["index"] for t in tool_deltas)
+    joined = ["".join(t["function"].get("arguments", "") for t in tool_deltas if t["index"] == i) for i in (0, 1)]
+    assert joined == ['{"city": "Paris", "unit": "celsius"}', '{"zone": "UTC"}']  # the model's text
     assert [d["finish_reason"] for d in deltas if d["finish_reason"]] == ["tool_calls"]
     assert "<tool_call>" not in content and "get_time" not in content
 
 
-def test_stream_parser_gives_the_same_result_whatever_the_split(tokenizer):
-    """Text arriving in pieces of any size parses as the whole text does (also a tag split
-    across pieces, and whitespace between calls)."""
-    for text in (ANSWER, "a <tool_ca", "a \n<tool_call>no call</tool_call>", CALL_PARIS + "\n\n" + CALL_UTC + "\nDone.", "<tool_call>{\"name\": \"x\"",
-                 "x<<tool_call>{\"name\": \"x\", \"arguments\": {}}</tool_call>"):
-        whole = parse_tool_calls(text)
-        for size in (1, 2, 3, 7):
-            parser = ToolCallStream()
-            events = [e for i in range(0, len(text), size) for e in parser.feed(text[i:i + size])] + parser.finish()
-            calls = [e["function"] for e in events if isinstance(e, dict)]
-            pieces = "".join(e for e in events if isinstance(e, str))
-            assert calls == [c["function"] for c in whole[1]], (text, size)
-            assert ((pieces or None) if calls else pieces) == whole[0], (text, size)
+# -- Llama 3's JSON format ------------------------------------------------------------------------
+
+@pytest.fixture
+def llama3_template(tokenizer):
+    """The served tokenizer with Llama 3.1's tools template (an excerpt: test_tool_parser.py)."""
+    saved = tokenizer.chat_template
+    tokenizer.chat_template = LLAMA31_TOOLS_TEMPLATE
+    yield
+    tokenizer.chat_template = saved
+
+
+LLAMA_PARIS = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}'
+LLAMA_UTC = '{"name": "get_time", "parameters": {"zone": "UTC"}}'
+
+
+async def test_a_llama3_template_gets_calls_in_llama3_json(harness, tokenizer, llama3_template):
+    """The template renders the tools and the history; ``required`` is a grammar of Llama 3
+    calls; the model's JSON calls become ``tool_calls`` in one body and in a stream."""
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"}]
+    client = _client(harness)
+    for messages, choice in ((history, "auto"), (ASK, "required"), (ASK, {"type": "function",
+                                                                          "function": {"name": "get_time"}})):
+        await client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice=choice,
+                                             max_tokens=4)
+    prompt = tokenizer.decode(harness.worker.requests[0].prompt_token_ids)
+    assert 'Respond in the format {"name": function name, "parameters"' in prompt and "<tools>" not in prompt
+    assert f"{LLAMA_PARIS}<|eot_id|><|start_header_id|>ipython<|end_header_id|>\n\n18 degrees" in prompt
+    required, named = (grammar_for(r.sampling.structured) for r in harness.worker.requests[1:])
+    paris, utc = (LLAMA_PARIS.replace('", "unit', '","unit').replace('": "', '":"').replace('"name":"', '"name": "'),
+                  '{"name": "get_time", "parameters": {"zone":"UTC"}}')
+    assert paris == '{"name": "get_weather", "parameters": {"city":"Paris","unit":"celsius"}}'
+    for text in (paris, utc, f"{paris}; {utc}"):
+        assert _accepts(required, tokenizer, text), text
+    for text in (GRAMMAR_PARIS, paris.replace("parameters", "arguments"), "Sure."):
+        assert not _accepts(required, tokenizer, text), text
+    assert _accepts(named, tokenizer, utc) and not _accepts(named, tokenizer, paris)
+
+    _answer(harness, f"{LLAMA_PARIS}; {LLAMA_UTC}")
+    state = ChatCompletionStreamState(input_tools=TOOLS)
+    async for chunk in await client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, stream=True):
+        state.handle_chunk(chunk)
+    one = (await client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS)).choices[0]
+    streamed = state.get_final_completion().choices[0]
+    for choice in (streamed, one):
+        assert choice.finish_reason == "tool_calls" and not choice.message.content
+        assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == \
+            [("get_weather", '{"city": "Paris", "unit": "celsius"}'), ("get_time", '{"zone": "UTC"}')]
+    _answer(harness, "It is sunny in Paris.")  # no call: content
+    one = (await client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS)).choices[0]
+    assert one.message.content == "It is sunny in Paris." and one.message.tool_calls is None
+    await client.close()
 
 
 # -- refused: 400, nothing enqueued ---------------------------------------------------------------

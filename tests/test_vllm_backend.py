@@ -7,13 +7,11 @@ max_model_len 1024, a 128 MiB KV cache (22 blocks of 128 tokens).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import pytest
 
 from shared.sampling import SamplingParams
-from shared.settings import EngineSettings, ModelSettings
 from worker.backends.base import RequestOutput, RequestRejected
 
 if TYPE_CHECKING:  # vllm may be missing: the module must still import for pytest to skip it
@@ -32,16 +30,10 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def backend(smollm_source) -> Iterator[VllmBackend]:
-    from worker.backends.vllm import VllmBackend
-
-    b = VllmBackend(smollm_source, ModelSettings(max_model_len=1024),
-                    EngineSettings(enforce_eager=True, kv_cache_bytes=128 * 1024**2, max_num_seqs=8))
-    try:
-        yield b
-    finally:
-        b.close()
+@pytest.fixture()
+def backend(vllm_backend) -> VllmBackend:
+    """The session's vLLM engine (tests/conftest.py)."""
+    return vllm_backend
 
 
 @pytest.fixture(scope="module")

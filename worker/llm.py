@@ -18,8 +18,9 @@ from worker.engine.engine import LLMEngine
 @dataclass(slots=True)
 class CompletionOutput:
     """One finished request: its prompt ids, output ids, text (when a tokenizer is
-    available), why it stopped, and per output token its logprobs when asked for
-    (``SamplingParams.logprobs``)."""
+    available), why it stopped, per output token its logprobs when asked for
+    (``SamplingParams.logprobs``), and per prompt token after the first its logprobs
+    when asked for (``SamplingParams.prompt_logprobs``; else None)."""
 
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
@@ -27,6 +28,7 @@ class CompletionOutput:
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class LLM:
@@ -89,6 +91,8 @@ class LLM:
                 assert out.first_index == len(result.token_ids), "token gap or duplicate"
                 result.token_ids.extend(out.new_token_ids)
                 result.logprobs.extend(out.logprobs or ())
+                if out.prompt_logprobs is not None:
+                    result.prompt_logprobs = out.prompt_logprobs
                 result.num_cached_tokens = out.num_cached_tokens
                 if out.finish_reason is not None:
                     result.finish_reason = out.finish_reason

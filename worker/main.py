@@ -41,6 +41,10 @@ async def serve_worker(worker: WorkerSettings, redis_settings: RedisSettings, mo
         from worker.faults import hang_after_steps
 
         service.step_fn = hang_after_steps(service.step_fn, worker.fault_hang_after_steps)
+    if worker.step_trace:
+        from worker.progress import StepTrace
+
+        service.trace = StepTrace(worker.step_trace)
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, service.drain)
     main_task = asyncio.current_task()
@@ -58,5 +62,7 @@ async def serve_worker(worker: WorkerSettings, redis_settings: RedisSettings, mo
     finally:
         if metrics_server is not None:
             metrics_server.shutdown()
+        if service.trace is not None:
+            service.trace.close()
         await client.aclose()
         engine_thread.close()

@@ -53,6 +53,12 @@ FAMILIES = (
     _Family("inferq:num_reclaimed", "counter", "Stream entries this worker claimed from dead workers",
             lambda w, s: w.num_reclaimed),
     _Family("inferq:engine_steps", "counter", "Engine steps run", lambda w, s: w.num_steps),
+    _Family("inferq:engine_busy_seconds", "counter",
+            "Seconds the engine thread spent in steps (the rest of the wall time it waited for the worker loop)",
+            lambda w, s: w.steps.busy_s),
+    _Family("inferq:engine_async_steps", "counter",
+            "Decode steps enqueued behind one still in flight (async scheduling)",
+            lambda w, s: getattr(w.backend, "num_async_steps", 0)),
 )
 
 

@@ -35,7 +35,7 @@ from shared.protocol import AbortMessage, ErrorMessage, GenerateRequest, TokenBa
 from shared.streams import add_finish, as_text, finish_entry
 from worker.backends.base import EngineBackend, RequestOutput, RequestRejected
 from worker.engine_thread import EngineThread
-from worker.progress import StepClock
+from worker.progress import StepClock, StepTrace
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,8 @@ class Worker:
         self.step_fn = backend.step
         self.num_reclaimed = 0
         self._backlog: list[RequestOutput] = []
+        #: Per-step timeline for benchmarks (``WorkerSettings.step_trace``; None: off).
+        self.trace: StepTrace | None = None
 
     @property
     def num_steps(self) -> int:
@@ -147,7 +149,10 @@ class Worker:
                         if time.monotonic() >= self._next_reap_s:
                             self._next_reap_s = time.monotonic() + REAP_INTERVAL_S
                             await self.reap()
+                        pull_start_s = time.monotonic()
                         await self._pull(block_ms=None if busy else IDLE_BLOCK_MS)
+                        if self.trace is not None and busy:
+                            self.trace.pull_s += time.monotonic() - pull_start_s
                     if not self.backend.has_unfinished_requests():
                         await self._settle(publishing)
                         publishing = None
@@ -155,7 +160,9 @@ class Worker:
                             await self._publish([])
                         continue
                     self.steps.started()
-                    step = asyncio.ensure_future(self.engine_thread.run(self.step_fn))
+                    handed_s = time.monotonic()
+                    step = asyncio.ensure_future(self.engine_thread.run(
+                        self.step_fn if self.trace is None else self.trace.wrap(self.step_fn)))
                     await self._settle(publishing)
                     publishing = None
                     try:
@@ -165,6 +172,8 @@ class Worker:
                         await self._fail_all(exc)
                         continue
                     self.steps.finished()
+                    if self.trace is not None:
+                        self.trace.record(handed_s, len(outputs))
                     publishing = asyncio.create_task(self._publish(outputs))
                 except RedisError as exc:
                     log.warning("redis error in worker loop: %s; retrying", exc)
@@ -280,6 +289,8 @@ class Worker:
             await self._fail(message, entry_id, 400, str(exc))
             return
         self.inflight[message.request_id] = InFlight(entry_id, message.reply_channel, message.attempt)
+        if self.trace is not None:
+            self.trace.pulled += 1
 
     async def _fail(self, message: GenerateRequest, entry_id: bytes, status: int, text: str) -> None:
         error = ErrorMessage(request_id=message.request_id, attempt=message.attempt, worker_id=self.worker_id,
@@ -319,7 +330,7 @@ class Worker:
                 request_id=out.request_id, attempt=info.attempt, first_index=out.first_index,
                 token_ids=out.new_token_ids, finish_reason=out.finish_reason,
                 num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
-                logprobs=out.logprobs))
+                logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs))
             if out.finish_reason is not None:
                 finished.append((out.request_id, info))
         async with self.redis.pipeline(transaction=False) as pipe:

@@ -49,7 +49,9 @@ def check_request(prompt_token_ids: list[int], sampling: SamplingParams, num_res
 class RequestOutput:
     """What one step produced for one request: ``new_token_ids``, the first of which
     is output token number ``first_index``; ``finish_reason`` once it ended;
-    ``logprobs``, one entry per new token, when the request asked for them."""
+    ``logprobs``, one entry per new token, when the request asked for them;
+    ``prompt_logprobs`` on the request's first output only, when it asked for them and
+    was not resumed: one entry per prompt token after the first (``TokenOutput``)."""
 
     request_id: str
     new_token_ids: list[int]
@@ -58,6 +60,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True, slots=True)

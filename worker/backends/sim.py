@@ -79,11 +79,13 @@ class SimBackend:
 
         Raises:
             RequestRejected: empty or too long prompt, bad parameters, duplicate id,
-                a resumed request with nothing left to generate, or logprobs (a
-                simulated model has no distribution).
+                a resumed request with nothing left to generate, or logprobs or
+                prompt logprobs (a simulated model has no distribution).
         """
         if sampling.logprobs is not None:
             raise RequestRejected("logprobs are not supported by the sim backend")
+        if sampling.prompt_logprobs is not None:
+            raise RequestRejected("prompt_logprobs (echo with logprobs) are not supported by the sim backend")
         num_resumed = len(output_token_ids or ())
         check_request(prompt_token_ids, sampling, num_resumed, self.max_model_len)
         if request_id in self._known:

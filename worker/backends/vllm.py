@@ -22,9 +22,21 @@ How our calls map onto vLLM's:
   enforced by vLLM's llguidance backend (``guidance``, compact JSON), the grammar engine
   ours uses. vLLM cannot start a grammar part-way (the delivered outputs would be prompt
   there and the grammar would start again after them), so a structured request resumed
-  after delivered outputs is rejected rather than continued off its grammar.
+  after delivered outputs is rejected rather than continued off its grammar. vLLM
+  ends a structured output with the EOS token its grammar then forces (included in the
+  ids, hidden from the text); ours finishes at the grammar's end without it.
+  ``logprobs`` and ``prompt_logprobs`` pass through as vLLM's fields of the same names
+  (a resumed request gets no prompt logprobs: its vLLM prompt holds delivered outputs).
 - ``step``: ``LLMEngine.step()``; each ``RequestOutput`` gives the request's new token
-  ids (stop and EOS tokens included, as in our engine) and finish reason.
+  ids (stop and EOS tokens included, as in our engine) and finish reason, and, when
+  asked for, their logprobs (vLLM's delta slice: one entry per new token) and, on the
+  first output, the prompt's, converted to ``TokenLogprobs`` by ``token_logprobs``.
+  vLLM's default ``logprobs_mode`` (``raw_logprobs``) is ours: a log-softmax of the
+  model's logits before bias, penalties, temperature and top-k/p (docs/operations.md,
+  "Logprobs"). Not so with a structured output: vLLM masks the logits with the grammar
+  before its sampler, so the forced tokens score 0 and forbidden alternatives -inf.
+  Output logprobs with a structured output are therefore rejected, not returned from
+  another distribution; prompt logprobs are not masked and pass.
 - ``abort``: ``LLMEngine.abort_request``, which frees the request's KV blocks at once.
 - ``num_admittable``: free sequence slots, but 0 while vLLM leaves requests waiting after
   a step or the free KV blocks do not cover the queued prompts plus one block of growth
@@ -51,13 +63,14 @@ from typing import TYPE_CHECKING, Any
 
 from shared.grammars import close_objects
 from shared.model_source import ModelSource, max_model_len
-from shared.protocol import FinishReason
-from shared.sampling import SamplingParams, StructuredOutput
+from shared.protocol import FinishReason, TokenLogprobs
+from shared.sampling import MAX_LOGPROBS, SamplingParams, StructuredOutput
 from shared.settings import EngineSettings, ModelSettings
 from worker.backends.base import EngineStats, RequestOutput, RequestRejected, check_request
 
 if TYPE_CHECKING:
     import vllm
+    from vllm.logprobs import Logprob
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -76,6 +89,8 @@ class _Tracked:
 
     num_prompt_tokens: int  # of the original prompt, without resumed outputs
     next_index: int  # index of the next output token in the whole output
+    num_logprobs: int | None  # top alternatives per output token, None: no logprobs
+    num_prompt_logprobs: int | None  # the same per prompt token, until they are sent
 
 
 @dataclass(slots=True)
@@ -124,7 +139,7 @@ def engine_args(source: ModelSource, model: ModelSettings, engine: EngineSetting
         block_size=vllm_block_size(engine.block_size, on_cpu), enable_prefix_caching=engine.enable_prefix_caching,
         enforce_eager=engine.enforce_eager, gpu_memory_utilization=engine.gpu_memory_utilization,
         kv_cache_memory_bytes=engine.kv_cache_bytes if on_cpu else None,
-        num_gpu_blocks_override=engine.num_kv_blocks or None, disable_log_stats=False,
+        num_gpu_blocks_override=engine.num_kv_blocks or None, disable_log_stats=False, max_logprobs=MAX_LOGPROBS,
         structured_outputs_config=structured_outputs_config())
 
 
@@ -168,7 +183,8 @@ def vllm_structured(structured: StructuredOutput) -> Any:
 
 def vllm_sampling(sampling: SamplingParams, num_resumed: int = 0) -> vllm.SamplingParams:
     """Our sampling parameters as vLLM's, for a request with ``num_resumed`` outputs
-    already delivered (they count against ``max_tokens`` and ``min_tokens``).
+    already delivered (they count against ``max_tokens`` and ``min_tokens``, and there
+    are no prompt logprobs: vLLM's prompt would include them).
 
     Deltas only (``RequestOutputKind.DELTA``) and no detokenization.
 
@@ -184,9 +200,42 @@ def vllm_sampling(sampling: SamplingParams, num_resumed: int = 0) -> vllm.Sampli
         min_p=sampling.min_p, seed=sampling.seed, stop_token_ids=list(sampling.stop_token_ids),
         ignore_eos=sampling.ignore_eos, repetition_penalty=sampling.repetition_penalty,
         presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
-        logit_bias=dict(sampling.logit_bias) or None,
+        logit_bias=dict(sampling.logit_bias) or None, logprobs=sampling.logprobs,
+        prompt_logprobs=None if num_resumed else sampling.prompt_logprobs,
         detokenize=False, skip_special_tokens=False, output_kind=RequestOutputKind.DELTA,
         structured_outputs=None if sampling.structured is None else vllm_structured(sampling.structured))
+
+
+def token_logprobs(position: dict[int, Logprob], token_id: int, num_top: int) -> TokenLogprobs:
+    """One position of vLLM's logprobs as ours: ``token_id``'s logprob and the
+    ``num_top`` most likely ``(token_id, logprob)`` pairs, most likely first.
+
+    vLLM's dict maps the scored token first, then its top ``num_top`` (ranks 1 to
+    ``num_top``; ``vllm.logprobs.append_logprobs_for_next_position``), so it holds
+    ``num_top`` entries when the token is among them and ``num_top + 1`` when not.
+
+    Raises:
+        ValueError: ``token_id`` missing or a size other than those two.
+    """
+    if token_id not in position or len(position) not in (num_top, num_top + 1):
+        raise ValueError(f"vLLM logprobs {sorted(position)} do not score token {token_id} with top {num_top}")
+    top = [(t, lp) for t, lp in position.items() if t != token_id or len(position) == num_top]
+    top.sort(key=lambda item: item[1].rank or 0)
+    return TokenLogprobs(position[token_id].logprob, [(t, lp.logprob) for t, lp in top])
+
+
+def output_logprobs(positions: Any, token_ids: list[int], num_top: int) -> list[TokenLogprobs]:
+    """vLLM's logprobs of ``token_ids`` (a sequence of per-token dicts, a list or
+    ``FlatLogprobs``, one per id) as ours, one ``TokenLogprobs`` per id.
+
+    Raises:
+        ValueError: not one position per token id, or a position ``token_logprobs``
+            refuses.
+    """
+    positions = list(positions or ())
+    if len(positions) != len(token_ids):
+        raise ValueError(f"vLLM gave {len(positions)} logprobs for {len(token_ids)} tokens")
+    return [token_logprobs(p, t, num_top) for p, t in zip(positions, token_ids, strict=True)]
 
 
 def _counting_logger(counters: _Counters) -> Any:
@@ -259,10 +308,8 @@ class VllmBackend:
             RequestRejected: empty or too long prompt, bad parameters, token ids out of
                 the vocabulary, duplicate id, a resumed request with nothing left, a
                 structured output vLLM refuses, one resumed after delivered outputs, or
-                logprobs (not passed through to vLLM yet).
+                output logprobs asked of a structured output (see the module docstring).
         """
-        if sampling.logprobs is not None:
-            raise RequestRejected("logprobs are not supported by the vllm backend yet")
         outputs = list(output_token_ids or ())
         self._check(request_id, prompt_token_ids, sampling, len(outputs))
         from vllm.exceptions import VLLMClientError
@@ -274,7 +321,8 @@ class VllmBackend:
             self.engine.add_request(request_id, prompt, vllm_sampling(sampling, len(outputs)))
         except (ValueError, VLLMClientError) as exc:  # vLLM's validation of the request
             raise RequestRejected(str(exc)) from exc
-        self._requests[request_id] = _Tracked(len(prompt_token_ids), len(outputs))
+        self._requests[request_id] = _Tracked(len(prompt_token_ids), len(outputs), sampling.logprobs,
+                                              None if outputs else sampling.prompt_logprobs)
         self._num_added += 1
         self._num_blocks_added += -(-len(all_ids) // self.block_size)
 
@@ -286,6 +334,9 @@ class VllmBackend:
             raise RequestRejected(f"request {request_id} is already running")
         if sampling.structured is not None and num_resumed:
             raise RequestRejected("the vllm backend cannot resume a structured output after delivered tokens")
+        if sampling.structured is not None and sampling.logprobs is not None:
+            raise RequestRejected("the vllm backend cannot return logprobs with a structured output: vLLM computes "
+                                  "them after the grammar mask, not from the model's raw distribution")
 
     def abort(self, request_id: str) -> bool:
         """Abort a request in vLLM (its KV blocks are freed now); False when unknown.
@@ -322,8 +373,16 @@ class VllmBackend:
             completion = out.outputs[0]  # type: ignore[index]  # a generating model: no pooling outputs
             finish = _FINISH.get(str(completion.finish_reason), "abort") if out.finished else None
             new_ids = list(completion.token_ids)
-            results.append(RequestOutput(out.request_id, new_ids, tracked.next_index, finish,
-                                         tracked.num_prompt_tokens, int(out.num_cached_tokens or 0)))
+            result = RequestOutput(out.request_id, new_ids, tracked.next_index, finish,
+                                   tracked.num_prompt_tokens, int(out.num_cached_tokens or 0))
+            if tracked.num_logprobs is not None:
+                result.logprobs = output_logprobs(completion.logprobs, new_ids, tracked.num_logprobs)
+            if tracked.num_prompt_logprobs is not None and out.prompt_logprobs:
+                # vLLM's entry 0 (the first prompt token, unscored) is None.
+                result.prompt_logprobs = output_logprobs(out.prompt_logprobs[1:], out.prompt_token_ids[1:],
+                                                         tracked.num_prompt_logprobs)
+                tracked.num_prompt_logprobs = None
+            results.append(result)
             tracked.next_index += len(new_ids)
             if finish is not None:
                 del self._requests[out.request_id]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from worker.engine.request import Request
@@ -44,16 +43,6 @@ def block_hash(parent_hash: int, token_ids: tuple[int, ...]) -> int:
     return int.from_bytes(h.digest(), "little", signed=True)
 
 
-def chained_hashes(token_ids: Sequence[int], block_size: int, first: int, last: int,
-                   parent_hash: int = NO_HASH) -> Iterator[int]:
-    """Hashes of the full blocks ``first .. last - 1`` of ``token_ids``, each chained on
-    the one before; ``parent_hash`` is block ``first - 1``'s (``NO_HASH`` for block 0).
-    Lazy, so a lookup that misses stops hashing there."""
-    for i in range(first, last):
-        parent_hash = block_hash(parent_hash, tuple(token_ids[i * block_size:(i + 1) * block_size]))
-        yield parent_hash
-
-
 class BlockManager:
     """Owns every KV block: which are free, which are cached, who holds which.
 
@@ -70,8 +59,8 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[int, int] = {}  # block hash -> block id
-        # Per request: hashes of its full blocks, in order (grows as blocks fill).
-        self._hashes: dict[str, list[int]] = {}
+        # Per request: how many of its blocks ``cache_full_blocks`` has registered.
+        self._num_registered: dict[str, int] = {}
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
 
@@ -95,18 +84,31 @@ class BlockManager:
         return self.blocks_needed(request, num_new_tokens) <= len(self._free)
 
     # -- prefix caching ----------------------------------------------------------
-    def find_cached_prefix(self, request: Request) -> list[int]:
-        """Block ids that already hold a prefix of the request's tokens.
+    def block_hash_at(self, request: Request, index: int) -> int:
+        """The hash of the request's full block ``index`` (``index < num_tokens //
+        block_size``), chained on the blocks before it. Each block of a request is hashed
+        once (``Request.block_hashes`` keeps them), however often it is looked up."""
+        hashes = request.block_hashes
+        bs = self.block_size
+        assert index < request.num_tokens // bs, (index, request.num_tokens)
+        while len(hashes) <= index:
+            i = len(hashes)
+            hashes.append(block_hash(hashes[-1] if hashes else NO_HASH, tuple(request.token_ids[i * bs:(i + 1) * bs])))
+        return hashes[index]
 
-        At most ``num_tokens - 1`` tokens are taken from the cache, so at least one
-        token is computed and yields logits.
-        """
+    def num_lookup_blocks(self, request: Request) -> int:
+        """Full blocks a lookup may take from the cache: at most ``num_tokens - 1``
+        tokens, so at least one token is computed and yields logits."""
+        return (request.num_tokens - 1) // self.block_size
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Block ids that already hold a prefix of the request's tokens (at most
+        ``num_lookup_blocks``); hashes only up to the first miss."""
         if not self.enable_prefix_caching:
             return []
-        max_blocks = (request.num_tokens - 1) // self.block_size
         found: list[int] = []
-        for h in chained_hashes(request.token_ids, self.block_size, 0, max_blocks):
-            block_id = self._cached.get(h)
+        for i in range(self.num_lookup_blocks(request)):
+            block_id = self._cached.get(self.block_hash_at(request, i))
             if block_id is None:
                 break
             found.append(block_id)
@@ -123,7 +125,7 @@ class BlockManager:
         request.block_table = list(block_ids)
         request.num_computed_tokens = len(block_ids) * self.block_size
         request.num_cached_tokens = request.num_computed_tokens
-        self._hashes[request.request_id] = [self.blocks[b].hash for b in block_ids]
+        self._num_registered[request.request_id] = len(block_ids)
 
     def record_admission(self, request: Request) -> None:
         """Count an admitted request's prompt lookup in the hit-rate counters (tokens)."""
@@ -155,12 +157,11 @@ class BlockManager:
         """Register the request's newly filled blocks (up to ``num_computed_tokens``)."""
         if not self.enable_prefix_caching:
             return
-        hashes = self._hashes.setdefault(request.request_id, [])
         num_full = request.num_computed_tokens // self.block_size
-        first = len(hashes)
-        new = chained_hashes(request.token_ids, self.block_size, first, num_full, hashes[-1] if hashes else NO_HASH)
-        for i, h in enumerate(new, first):
-            hashes.append(h)
+        first = self._num_registered.get(request.request_id, 0)
+        self._num_registered[request.request_id] = max(first, num_full)
+        for i in range(first, num_full):
+            h = self.block_hash_at(request, i)
             block = self.blocks[request.block_table[i]]
             if block.hash == NO_HASH and h not in self._cached:
                 block.hash = h
@@ -175,11 +176,11 @@ class BlockManager:
             if block.ref_count == 0:
                 self._free[block_id] = None
         request.block_table = []
-        self._hashes.pop(request.request_id, None)
+        self._num_registered.pop(request.request_id, None)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (blocks in use keep their data)."""
         for block in self.blocks:
             block.hash = NO_HASH
         self._cached.clear()
-        self._hashes.clear()
+        self._num_registered.clear()  # running requests register their full blocks again

@@ -116,7 +116,9 @@ class LLMEngine:
         token's index is ``len(output_token_ids)``.
 
         A structured output (``sampling.structured``) gets its grammar matcher here, from
-        the compiled-grammar cache, advanced past ``output_token_ids``.
+        the compiled-grammar cache, advanced past ``output_token_ids``. Prompt logprobs
+        (``sampling.prompt_logprobs``) are computed for a new request only: a
+        continuation's client has them already.
 
         Raises:
             RequestRejected: empty or too long prompt, bad parameters, duplicate id, a
@@ -132,8 +134,10 @@ class LLMEngine:
             raise RequestRejected("token id out of the vocabulary")
         try:
             grammar = None if sampling.structured is None else self.grammars.matcher(sampling.structured, outputs)
+            wants_prompt_logprobs = sampling.prompt_logprobs is not None and not outputs
             self.scheduler.add(Request(request_id, list(prompt_token_ids), sampling, self.eos_token_ids,
-                                       token_ids=all_ids, grammar=grammar))
+                                       token_ids=all_ids, grammar=grammar,
+                                       prompt_logprobs=[] if wants_prompt_logprobs else None))
         except ValueError as exc:  # InvalidGrammar, or the scheduler's checks
             raise RequestRejected(str(exc)) from exc
 
@@ -180,28 +184,42 @@ class LLMEngine:
         return self._apply(out, *self.runner.execute(out.scheduled))
 
     def _apply(self, out: SchedulerOutput, sampled: list[int | None],
-               logprobs: list[TokenLogprobs | None] | None = None) -> list[RequestOutput]:
+               logprobs: list[TokenLogprobs | None] | None = None,
+               prompt_logprobs: list[list[TokenLogprobs] | None] | None = None) -> list[RequestOutput]:
         """Apply a step's sampled tokens (and, per scheduled item, its token's logprobs
-        or None) and return the outputs."""
+        or None, and the prompt logprobs its chunk scored or None) and return the
+        outputs; a request's prompt logprobs go out, all of them, with its first token."""
         asked = {item.request.request_id: lp for item, lp in zip(out.scheduled, logprobs or ()) if lp is not None}
+        for item, entries in zip(out.scheduled, prompt_logprobs or ()):
+            if entries is not None and item.request.prompt_logprobs is not None:
+                item.request.prompt_logprobs.extend(entries)
         results, finished = self.scheduler.update(out, sampled)
         for request in finished:
             self._free(request)
-        return [RequestOutput(r.request.request_id, r.new_token_ids, r.first_index, r.request.finish_reason,
-                              r.request.num_prompt_tokens, r.request.num_cached_tokens,
-                              [asked[r.request.request_id]] if r.request.request_id in asked else None)
-                for r in results]
+        outputs = []
+        for r in results:
+            request = r.request
+            prompt = request.prompt_logprobs
+            if prompt is not None:
+                assert len(prompt) == request.num_prompt_tokens - 1, (len(prompt), request.num_prompt_tokens)
+                request.prompt_logprobs = None  # delivered: a recompute after preemption skips them
+            outputs.append(RequestOutput(request.request_id, r.new_token_ids, r.first_index, request.finish_reason,
+                                         request.num_prompt_tokens, request.num_cached_tokens,
+                                         [asked[request.request_id]] if request.request_id in asked else None,
+                                         prompt))
+        return outputs
 
     def _async_decode_ok(self, out: SchedulerOutput) -> bool:
         """A step the async path may run: every item one sampled decode token, through
         the graphs, with no request that needs its token history on the host (penalties)
         or its previous token applied before its next mask (a grammar), or logprobs
-        (``RawLogprobs`` is fetched with the ids, which the async path does not wait for)."""
+        (``RawLogprobs`` is fetched with the ids, which the async path does not wait for),
+        or prompt logprobs not delivered yet."""
         return (self.engine_settings.async_scheduling and self.runner.can_launch_decode(len(out.scheduled))
                 and not out.preempted
                 and all(item.num_tokens == 1 and item.samples and not item.request.sampling.needs_penalties
                         and item.request.grammar is None and item.request.sampling.logprobs is None
-                        for item in out.scheduled))
+                        and item.request.prompt_logprobs is None for item in out.scheduled))
 
     def _finish_inflight(self) -> list[RequestOutput]:
         """Enqueue the next decode step when it can follow the one in flight, then wait

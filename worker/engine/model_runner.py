@@ -6,19 +6,22 @@ How a batch changes form:
     positions | slots | logits indices; int32 block tables | query_start_loc | seq_lens
  -> two host-to-device copies, views of them                      (tensors, model device)
  -> model forward over [num_tokens] -> hidden [num_tokens, H]
+ -> prompt logprobs, for the chunks of requests that ask: the LM head over every prompt
+    position of the chunk, not only its last, fetched to the host (``prompt_logprobs.py``)
  -> hidden[logits_indices] -> logits [num_sampled, V] float32
  -> grammar bitmask [num_structured, V / 32] int32, filled on the host (llguidance), one H2D copy
  -> sampler (mask applied first) -> ids (one D2H copy)
  -> raw logprobs of the rows that ask: log-softmax [m, V] taken before the sampler, one
     topk, copied to the host ahead of the ids (``sampler.RawLogprobs``)
 
-On CUDA with the Triton backend and ``enforce_eager`` off, no step runs eagerly: a step
-in which every sequence has one query token and samples (a decode step) replays a decode
-graph (``cuda_graphs.py``), and any other step (prefill chunks, alone or beside decode
-tokens) replays the mixed-step graph of its token-count bucket (``mixed_graphs.py``;
-``mixed_cuda_graphs`` off: eager). Every Triton kernel is compiled and every graph
-captured here, at start-up, so nothing compiles while requests wait. Nothing in a step
-waits on the device except the copy of the sampled ids.
+On CUDA with the Triton backend and ``enforce_eager`` off, no step runs eagerly but one
+that scores prompt logprobs: a step in which every sequence has one query token and
+samples (a decode step) replays a decode graph (``cuda_graphs.py``), and any other step
+(prefill chunks, alone or beside decode tokens) replays the mixed-step graph of its
+token-count bucket (``mixed_graphs.py``; ``mixed_cuda_graphs`` off: eager). Every Triton
+kernel is compiled and every graph captured here, at start-up, so nothing compiles while
+requests wait. Nothing in a step waits on the device except the copy of the sampled ids
+(and that of the prompt logprobs, in a step that scores them).
 
 Grammar masks (``worker/structured/``) are filled on the host after the step's forward
 pass and LM head are enqueued, so on CUDA they are computed while the device runs that
@@ -37,6 +40,7 @@ from shared.protocol import TokenLogprobs
 from shared.settings import EngineSettings
 from worker.engine.cuda_graphs import DecodeGraphs
 from worker.engine.mixed_graphs import MixedGraphs, StepInputs
+from worker.engine.prompt_logprobs import compute_prompt_logprobs, prompt_spans
 from worker.engine.request import Request
 from worker.engine.sampler import RawLogprobs, Sampler
 from worker.engine.scheduler import ScheduledRequest
@@ -212,16 +216,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: Sequence[ScheduledRequest]
-                ) -> tuple[list[int | None], list[TokenLogprobs | None]]:
+                ) -> tuple[list[int | None], list[TokenLogprobs | None], list[list[TokenLogprobs] | None]]:
         """Run one step. Returns, per scheduled request, its sampled token or ``None``
-        (a partial prefill chunk samples nothing), and its token's logprobs or ``None``
-        (it samples nothing or did not ask)."""
+        (a partial prefill chunk samples nothing), its token's logprobs or ``None``
+        (it samples nothing or did not ask), and the prompt logprobs of the positions its
+        chunk scored or ``None`` (``prompt_logprobs.prompt_spans``: it did not ask, or has
+        them all). A step with prompt positions to score runs eagerly: the graphs keep
+        the hidden rows of the sampled tokens only."""
         sampled_items = [item for item in batch if item.samples]
+        spans = prompt_spans(batch)
+        prompt: list[list[TokenLogprobs] | None] = [None] * len(batch)
         logits: torch.Tensor | None = None
-        if self.can_launch_decode(len(batch)) and all(item.num_tokens == 1 and item.samples for item in batch):
+        if not spans and self.can_launch_decode(len(batch)) and all(
+                item.num_tokens == 1 and item.samples for item in batch):
             requests = [item.request for item in batch]
             logits = self._decode_logits(requests, *decode_inputs(requests))
-        elif self.mixed is not None and self.mixed.fits(sum(item.num_tokens for item in batch), len(batch)):
+        elif not spans and self.mixed is not None and self.mixed.fits(sum(item.num_tokens for item in batch),
+                                                                      len(batch)):
             rows = self.mixed.run(batch)
             if sampled_items:
                 logits = self.model.compute_logits(rows)
@@ -229,6 +240,8 @@ class ModelRunner:
             self.num_eager_steps += 1
             input_ids, positions, meta, logits_indices = self.prepare(batch)
             hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+            if spans:
+                prompt = compute_prompt_logprobs(hidden, self.model.compute_logits, batch, spans)
             if sampled_items:
                 if len(sampled_items) < hidden.shape[0]:
                     hidden = hidden.index_select(0, logits_indices)
@@ -241,4 +254,4 @@ class ModelRunner:
             logprobs = raw.fetch() if raw is not None else [None] * len(tokens)
         it, lps = iter(tokens), iter(logprobs)
         return ([next(it) if item.samples else None for item in batch],
-                [next(lps) if item.samples else None for item in batch])
+                [next(lps) if item.samples else None for item in batch], prompt)

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from shared.protocol import FinishReason
+from shared.protocol import FinishReason, TokenLogprobs
 from shared.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -48,6 +48,13 @@ class Request:
     ``grammar`` is the matcher of a structured output (``sampling.structured``): it has
     consumed every output token, and each appended token advances it once (recompute after
     preemption appends nothing, so it consumes nothing).
+    ``block_hashes``: the chained hashes of its first full blocks (``block_manager``),
+    each computed once, on demand; ``token_ids`` only grows, so they stay valid for the
+    request's life, preemptions included.
+    ``prompt_logprobs``: while the request asks for them (``sampling.prompt_logprobs``)
+    and has not delivered them, the entries gathered so far (entry ``i`` scores
+    ``prompt_token_ids[i + 1]``; chunked prefill adds to it); ``None`` otherwise (not
+    asked, a failover continuation, or already delivered with its first token).
     """
 
     request_id: str
@@ -62,6 +69,8 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     grammar: GrammarMatcher | None = None
+    block_hashes: list[int] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

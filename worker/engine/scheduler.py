@@ -3,10 +3,13 @@
 Each step the scheduler hands out ``{request: num_scheduled_tokens}``: running
 requests first (one decode token each, or the next chunk of an unfinished prefill),
 then waiting requests (their uncached prompt, chunked to fit), while the total stays
-within ``max_num_batched_tokens`` and the running set within ``max_num_seqs``. When
-the KV cache cannot hold a running request's next tokens, the most recently admitted
-running request is preempted: its blocks are freed and it goes back to the head of the
-waiting queue, to be recomputed later (preemption by recompute, vLLM's default).
+within ``max_num_batched_tokens`` and the running set within ``max_num_seqs``. A
+waiting request whose next uncached block a running request is computing right now
+waits until it is cached (``_defer``: in-batch prefix caching), so ``n`` requests with
+one prompt prefill it once. When the KV cache cannot hold a running request's next
+tokens, the most recently admitted running request is preempted: its blocks are freed
+and it goes back to the head of the waiting queue, to be recomputed later (preemption
+by recompute, vLLM's default).
 
 The scheduler owns the block manager: the engine asks it, not the block manager, how
 many requests to admit (``num_admittable``) and whether a decode step may follow one
@@ -153,12 +156,20 @@ class Scheduler:
                 continue
             break  # the request itself was preempted; everything after it too
 
-        # Admit waiting requests only when nothing was preempted this step: a cache
-        # that just ran out would thrash otherwise.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
-            request = self.waiting[0]
+        # Admit waiting requests, in order, only when nothing was preempted this step: a
+        # cache that just ran out would thrash otherwise. One whose next block a running
+        # request is computing waits a step (``_defer``) and lets later ones pass.
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            request = self.waiting[i]
             if not request.block_table:
-                bm.allocate_prefix(request, bm.find_cached_prefix(request))
+                # A request that asks for prompt logprobs computes every prompt position:
+                # a cached block has no logits (vLLM v1 skips the lookup too).
+                cached = [] if request.prompt_logprobs is not None else bm.find_cached_prefix(request)
+                if self._defer(request, len(cached)):
+                    i += 1
+                    continue
+                bm.allocate_prefix(request, cached)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not bm.can_allocate(request, num_new):
                 # A waiting request holds no blocks: the cached prefix it was just given
@@ -169,8 +180,9 @@ class Scheduler:
                     raise RuntimeError(f"request {request.request_id} needs more KV blocks than exist")
                 break
             bm.allocate(request, num_new)
-            bm.record_admission(request)
-            self.waiting.popleft()
+            if request.prompt_logprobs is None:  # the others looked nothing up
+                bm.record_admission(request)
+            del self.waiting[i]
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
@@ -249,6 +261,29 @@ class Scheduler:
                            prefix_cache_hits=bm.num_prefix_hits)
 
     # -- internals ----------------------------------------------------------------
+    def _defer(self, request: Request, num_cached_blocks: int) -> bool:
+        """True when a running request (admitted this step or earlier, its prefill not
+        past the block yet) computes the full block that follows the waiting
+        ``request``'s cached prefix, with the same tokens before it: admitted later,
+        ``request`` finds that block in the prefix cache instead of computing it again
+        (in-batch prefix caching: n siblings of one prompt arrive together, and only the
+        first prefills the prompt). SGLang's scheduler deprioritises waiting requests that
+        share a prefix with another waiting one the same way
+        (``python/sglang/srt/managers/schedule_policy.py``,
+        ``SchedulePolicy._compute_prefix_matches``). Not starved: the deferral ends when
+        that request has computed the block, or is preempted or aborted (no longer
+        running). Costs no hashing beyond the lookup's: the block's hash was its miss,
+        and the running request's are hashed once (``Request.block_hashes``).
+        """
+        bm = self.block_manager
+        k = num_cached_blocks
+        if not bm.enable_prefix_caching or request.prompt_logprobs is not None or k >= bm.num_lookup_blocks(request):
+            return False
+        end = (k + 1) * bm.block_size  # block k holds tokens [end - block_size, end)
+        want = bm.block_hash_at(request, k)
+        return any(other.num_computed_tokens < end <= other.num_tokens and bm.block_hash_at(other, k) == want
+                   for other in self.running)
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self._release(request)
