@@ -117,9 +117,9 @@ class Enqueuer:
     commit: XADDs that arrive while one batch is being written go out together in the
     next non-transactional pipeline, one round trip on one connection. Under a burst of
     1,000 requests, one XADD each had every request take its own pooled connection (the
-    pool's lock and 1,000 connection handshakes) and a round trip, and the first request
-    reached the stream only after nearly all of them were parsed (py-spy and the time to
-    the first XADD, 2026-11-24: docs/benchmarks.md, "Admission under a burst"). Each XADD
+    pool's lock and 1,000 connection handshakes) and a round trip; with this and the shared
+    depth read the gateway's CPU for such a burst fell from 1.40 to 0.85 s (2-core CPU,
+    docs/benchmarks.md, "Where the wall time goes, and two changes"). Each XADD
     is atomic on its own, so batching them changes nothing about what a failure leaves.
     """
 
