@@ -19,8 +19,10 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway.admission import Enqueuer, QueueDepthReader
+from gateway.batches import install_batch_routes
 from gateway.errors import OpenAIError, install_error_handlers
 from gateway.failover import failover_loop
+from gateway.files import install_file_routes
 from gateway.handlers import check_auth, handle_generate
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import (
@@ -38,6 +40,7 @@ from gateway.openapi import (
     install_openapi,
 )
 from gateway.queue_metrics import queue_metrics_loop
+from gateway.rate_limits import RateLimiter
 from gateway.readiness import Readiness, readiness
 from gateway.relay import Relay
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
@@ -47,7 +50,7 @@ from gateway.tokenize import TokenizerWorker
 from gateway.tokenizer_routes import DetokenizeRequest, TokenizeRequest, handle_detokenize, handle_tokenize
 from shared.keys import Keys
 from shared.model_source import ModelSource, max_model_len, served_model_name
-from shared.settings import GatewaySettings, ModelSettings, RedisSettings
+from shared.settings import BatchSettings, GatewaySettings, ModelSettings, RedisSettings
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +80,10 @@ def load_tokenizer(source: ModelSource) -> Any:
 
 
 def create_app(gateway: GatewaySettings, redis: RedisSettings, model: ModelSettings, source: ModelSource,
-               *, tokenizer: Any = None) -> FastAPI:
+               *, tokenizer: Any = None, batch: BatchSettings | None = None) -> FastAPI:
     """Build the gateway app. The Redis client, relay reader and tokenizer threads start
-    in the app's lifespan; ``tokenizer`` (optional) skips loading one from ``source``.
+    in the app's lifespan; ``tokenizer`` (optional) skips loading one from ``source``;
+    ``batch`` configures ``/v1/files`` and ``/v1/batches`` (default: BatchSettings()).
 
     Raises:
         ValueError: no Redis URL, or no tokenizer.
@@ -105,6 +109,7 @@ def create_app(gateway: GatewaySettings, redis: RedisSettings, model: ModelSetti
             metrics=metrics, tasks=BackgroundTasks(),
             queue_depth=QueueDepthReader(client, keys.requests_stream(served_name)),
             enqueuer=Enqueuer(client, keys.requests_stream(served_name)),
+            rate_limiter=RateLimiter(client, keys, served_name, gateway, metrics),
             created_unix_s=int(time.time()),
             max_model_len=max_model_len(source.config, model.max_model_len))
         app.state.inferq = state
@@ -190,6 +195,8 @@ def create_app(gateway: GatewaySettings, redis: RedisSettings, model: ModelSetti
         check_auth(get_state(request), request)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    install_file_routes(app, batch or BatchSettings())
+    install_batch_routes(app, batch or BatchSettings())
     return app
 
 
@@ -200,11 +207,13 @@ def model_card(state: GatewayState) -> dict[str, object]:
 
 
 def run(gateway: GatewaySettings, redis: RedisSettings, model: ModelSettings, source: ModelSource,
-        *, sock: socket.socket | None = None, on_stop: Callable[[], None] | None = None) -> None:
+        *, sock: socket.socket | None = None, on_stop: Callable[[], None] | None = None,
+        batch: BatchSettings | None = None) -> None:
     """Serve the gateway with uvicorn until SIGINT or SIGTERM stops it (graceful shutdown
     of ``GRACEFUL_SHUTDOWN_S``), on ``sock`` (a bound TCP socket, e.g. one of several
     sharing the port: gateway/multiproc.py) or else on ``gateway.host:gateway.port``.
-    ``on_stop()`` runs in the signal handler when the first stop signal comes. Every
+    ``on_stop()`` runs in the signal handler when the first stop signal comes; ``batch``
+    configures the Batch API routes (default ``BatchSettings()``). Every
     response carries the header ``GATEWAY_ID_HEADER``: this process's gateway id.
 
     A stop signal ends in ``KeyboardInterrupt`` here (uvicorn raises the signal again
@@ -213,7 +222,7 @@ def run(gateway: GatewaySettings, redis: RedisSettings, model: ModelSettings, so
     """
     import uvicorn
 
-    app = create_app(gateway, redis, model, source)
+    app = create_app(gateway, redis, model, source, batch=batch)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:

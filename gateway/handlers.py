@@ -5,7 +5,8 @@ Order of checks, cheap before expensive: auth (401), body size (413), body (400:
 list limits, ``n`` and the number of prompts, tool fields, at most one structured-output
 constraint), model (404), X-Request-Id (400), prompt characters (400, before
 tokenizing), tokenizing (503 past its time budget), prompt tokens (400), the structured output's grammar (400, on the encode pool:
-gateway/structured.py), sampling parameters (400), then for all the request's child
+gateway/structured.py), sampling parameters (400), the tenant's rate limits (429
+``rate_limit_exceeded``: gateway/rate_limits.py), then for all the request's child
 requests at once (gateway/choices.py): relay subscribed (503), queue depth (429/503),
 XADD (503). docs/operations.md, "Limits", lists every limit.
 """
@@ -24,6 +25,7 @@ from fastapi.responses import Response
 from gateway.choices import Choice, ChoicesStream, full_response, stream_events, submit
 from gateway.errors import OpenAIError
 from gateway.logprobs import LogprobsFormatter
+from gateway.rate_limits import RATE_LIMIT_CODE
 from gateway.responses import ResponseShape
 from gateway.schemas import (
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -33,6 +35,7 @@ from gateway.schemas import (
     parse_body,
 )
 from gateway.state import GatewayState
+from gateway.tenants import bearer_token
 from gateway.tokenize import check_prompt_tokens
 from gateway.tool_formats import tool_format_for_template
 from gateway.tool_parser import ToolCallStream
@@ -55,11 +58,9 @@ def check_auth(state: GatewayState, request: Request) -> None:
     keys = state.settings.api_keys
     if not keys:
         return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    token = token.strip()
+    token = bearer_token(request)
     given = token.encode("utf-8", "surrogateescape")
-    valid = scheme.lower() == "bearer" and token.isascii() and token != ""
+    valid = token.isascii() and token != ""
     # Every key is compared, so the time does not say which one nearly matched.
     matches = [hmac.compare_digest(given, k.encode("utf-8", "surrogateescape")) for k in keys]
     if not (valid and any(matches)):
@@ -110,6 +111,7 @@ async def handle_generate(state: GatewayState, request: Request, *, chat: bool) 
     """Serve ``POST /v1/completions`` (``chat=False``) or ``/v1/chat/completions``: one
     child request per prompt and choice (gateway/choices.py)."""
     arrival_s = time.monotonic()
+    rate_headers: dict[str, str] = {}  # x-ratelimit-* once the tenant's limits admitted the request
     try:
         check_auth(state, request)
         body = await read_body(request, state.settings.max_body_bytes)
@@ -143,10 +145,15 @@ async def handle_generate(state: GatewayState, request: Request, *, chat: bool) 
         params = [req.sampling_params(m, vocab_size=state.tokenizer.vocab_size, structured=structured)
                   for m in max_tokens]
         n = req.num_choices
+        # Every child reserves its prompt and max_tokens (docs/operations.md, "Rate limits and tenants").
+        rate_headers = await state.rate_limiter.admit(
+            request, req.user, n * sum(len(p) + m for p, m in zip(prompts, max_tokens, strict=True)))
         gens = await submit(state, request, request_id, prompts, params, n, req.stop_strings, arrival_s,
                             poll_disconnect=not req.stream)
     except OpenAIError as exc:
-        state.metrics.rejected(_REJECT_REASONS.get(exc.status, str(exc.status)))
+        state.metrics.rejected("rate_limited" if exc.code == RATE_LIMIT_CODE
+                               else _REJECT_REASONS.get(exc.status, str(exc.status)))
+        exc.headers = {**rate_headers, **exc.headers}
         return exc.response()
     created_unix_s = int(time.time())
     num_top = params[0].logprobs
@@ -157,7 +164,7 @@ async def handle_generate(state: GatewayState, request: Request, *, chat: bool) 
                       echo=None if echoes is None else echoes[k // n], prompt_ids=prompts[k // n])
                for k, gen in enumerate(gens)]
     num_prompt_tokens = sum(len(p) for p in prompts)  # each prompt once, however many choices share it
-    headers = {"X-Request-Id": request_id}
+    headers = {"X-Request-Id": request_id, **rate_headers}
     if req.stream:
         return ChoicesStream(choices, stream_events(choices, num_prompt_tokens, req.include_usage),
                              media_type="text/event-stream",

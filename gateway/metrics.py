@@ -30,6 +30,8 @@ class GatewayMetrics:
                                        labels + ["finished_reason"], registry=r)
         self.requests_rejected = Counter("inferq:requests_rejected", "Requests refused before enqueue, by reason",
                                          labels + ["reason"], registry=r)
+        self.rate_limited = Counter("inferq:rate_limited", "Requests refused by their tenant's rate limit, by kind "
+                                    "(requests | tokens: the limit that waits longest)", labels + ["kind"], registry=r)
         self.request_errors = Counter("inferq:request_errors", "Requests that ended in an error after enqueue",
                                       labels + ["status"], registry=r)
         self.request_aborts = Counter("inferq:request_aborts", "Aborts published on the control channel, by reason",

@@ -84,7 +84,7 @@ class _SamplingFields(StructuredFields):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
-    user: str | None = None  # accepted and ignored (OpenAI: for abuse monitoring)
+    user: str | None = None  # names the tenant with --tenant-source user (gateway/tenants.py)
 
     @property
     def stop_strings(self) -> list[str]:

@@ -11,6 +11,7 @@ import redis.asyncio as aioredis
 from gateway.admission import Enqueuer, QueueDepthReader
 from gateway.generation import Generation
 from gateway.metrics import GatewayMetrics
+from gateway.rate_limits import RateLimiter
 from gateway.relay import Relay
 from gateway.tasks import BackgroundTasks
 from gateway.tokenize import TokenizerWorker
@@ -45,6 +46,8 @@ class GatewayState:
     queue_depth: QueueDepthReader
     #: Puts accepted requests on the stream (XADDs of lone requests group-committed).
     enqueuer: Enqueuer
+    #: Requests and tokens per minute per tenant (gateway/rate_limits.py).
+    rate_limiter: RateLimiter
     created_unix_s: int
     #: Longest prompt + output, tokens (``shared.model_source.max_model_len``, which
     #: every backend uses too).

@@ -1,6 +1,6 @@
-"""The ``inferq`` command: ``serve`` (embedded Redis + worker + gateway), ``gateway``,
-``worker``, ``queues`` (inspect streams, pending entries and workers) and ``settings``
-(print the settings table).
+"""The ``inferq`` command: ``serve`` (embedded Redis + worker + batch worker + gateway),
+``gateway``, ``worker``, ``batch-worker`` (Batch API jobs), ``queues`` (inspect streams,
+pending entries and workers) and ``settings`` (print the settings table).
 
 Every settings field becomes a flag (``--max-num-seqs``) whose default is unset, so the
 precedence flag > ``INFERQ_*`` variable > dataclass default is applied in one place
@@ -25,6 +25,7 @@ import typer
 
 from shared.settings import (
     ENV_PREFIX,
+    BatchSettings,
     EngineSettings,
     GatewaySettings,
     ModelSettings,
@@ -129,12 +130,13 @@ def _listen(gateway: GatewaySettings) -> list[socket.socket]:
         raise typer.Exit(1) from None
 
 
-@settings_command("serve", ModelSettings, EngineSettings, RedisSettings, GatewaySettings, WorkerSettings)
+@settings_command("serve", ModelSettings, EngineSettings, RedisSettings, GatewaySettings, WorkerSettings,
+                  BatchSettings)
 def serve(model: ModelSettings, engine: EngineSettings, redis_settings: RedisSettings,
-          gateway: GatewaySettings, worker: WorkerSettings) -> None:
+          gateway: GatewaySettings, worker: WorkerSettings, batch: BatchSettings) -> None:
     """Run everything: an embedded Redis (unless --redis-url is given), one worker
-    process and --gateway-workers gateway processes on one port (serve itself and N-1
-    children). SIGTERM and SIGINT (Ctrl-C) stop them all in order (the gateways, then
+    process, one batch worker (Batch API jobs) and --gateway-workers gateway processes
+    on one port (serve itself and N-1 children). SIGTERM and SIGINT (Ctrl-C) stop them all in order (the gateways, then
     the worker drains, then Redis) and exit 0; the children also exit by themselves if
     serve is killed."""
     from gateway.app import run as run_gateway
@@ -152,6 +154,7 @@ def serve(model: ModelSettings, engine: EngineSettings, redis_settings: RedisSet
     embedded = None
     child = None
     gateways: list[subprocess.Popen[bytes]] = []
+    batch_child: subprocess.Popen[bytes] | None = None
     try:
         listeners = _listen(gateway)  # a port in use fails before anything starts
         source = resolve_model(model.model, model.load_format, model.model_cache_dir)  # convert once, here
@@ -164,17 +167,38 @@ def serve(model: ModelSettings, engine: EngineSettings, redis_settings: RedisSet
         # From the main thread: the children's parent-death signal follows the forking thread.
         child = subprocess.Popen([sys.executable, "-m", "shared.cli", "worker", "--parent-pid", str(os.getpid())],
                                  env=env)
-        gateway_env = {**os.environ, **settings_env(model, redis_settings, gateway)}
+        port = listeners[0].getsockname()[1]
+        batch_child = _start_batch_worker(batch, redis_settings, gateway, port)
+        gateway_env = {**os.environ, **settings_env(model, redis_settings, gateway, batch)}
         for sock in listeners[1:]:
             gateways.append(start_gateway(sock, gateway_env))
-        port = listeners[0].getsockname()[1]
         announce_when_ready(gateway.host, port)  # logs "inferq ready: URL" once a worker is ready
         # Returns once a signal has stopped it; that signal stops the other gateways at once.
-        run_gateway(gateway, redis_settings, model, source, sock=listeners[0], on_stop=lambda: terminate(gateways))
+        run_gateway(gateway, redis_settings, model, source, sock=listeners[0], on_stop=lambda: terminate(gateways),
+                    batch=batch)
     except KeyboardInterrupt:  # a signal before or after uvicorn's own handling
         pass
     finally:
+        if batch_child is not None:  # first: it sends to the gateways (its batches resume later)
+            _stop("batch worker", [batch_child], GATEWAY_EXIT_MARGIN_S, [])
         _stop_children(gateways, child, embedded, worker.drain_timeout_s + SERVE_WORKER_EXIT_MARGIN_S)
+
+
+def _start_batch_worker(batch: BatchSettings, redis_settings: RedisSettings, gateway: GatewaySettings,
+                        port: int) -> subprocess.Popen[bytes]:
+    """Start serve's batch worker (``inferq batch-worker``), sending lines to serve's own
+    gateway (on loopback when it listens on a wildcard address) with its first API key,
+    unless --batch-gateway-url / --batch-api-key say otherwise."""
+    from shared.serve_ready import http_url
+
+    if batch.batch_gateway_url == BatchSettings().batch_gateway_url:
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(gateway.host, gateway.host)
+        batch = dataclasses.replace(batch, batch_gateway_url=http_url(host, port))
+    if not batch.batch_api_key and gateway.api_keys:
+        batch = dataclasses.replace(batch, batch_api_key=gateway.api_keys[0])
+    env = {**os.environ, **settings_env(redis_settings, batch)}
+    return subprocess.Popen([sys.executable, "-m", "shared.cli", "batch-worker", "--parent-pid", str(os.getpid())],
+                            env=env)
 
 
 def _stop_children(gateways: list[subprocess.Popen[bytes]], worker: subprocess.Popen[bytes] | None,
@@ -220,7 +244,8 @@ def _stop(kind: str, procs: list[subprocess.Popen[bytes]], wait_s: float, signal
         log.info("%s %d exited with status %s", kind, proc.pid, proc.wait())
 
 
-@settings_command("gateway", ModelSettings, RedisSettings, GatewaySettings, aliases={"gateway_workers": "--workers"},
+@settings_command("gateway", ModelSettings, RedisSettings, GatewaySettings, BatchSettings,
+                  aliases={"gateway_workers": "--workers"},
                   extra=(
     _option("listen_fd", int, -1, "--listen-fd", hidden=True,
             help="Serve on this bound socket, one of its parent's gateway processes (gateway/multiproc.py)"),
@@ -228,7 +253,7 @@ def _stop(kind: str, procs: list[subprocess.Popen[bytes]], wait_s: float, signal
             help="Exit when this process (the serve or gateway that started this one) dies"),
 ))
 def gateway_cmd(model: ModelSettings, redis_settings: RedisSettings, gateway: GatewaySettings,
-                listen_fd: int, parent_pid: int) -> None:
+                batch: BatchSettings, listen_fd: int, parent_pid: int) -> None:
     """Run the OpenAI-compatible HTTP gateway against an existing Redis: --workers
     processes on one port (this one and N-1 children). SIGTERM and SIGINT stop them all
     (graceful shutdown) and exit 0."""
@@ -249,17 +274,18 @@ def gateway_cmd(model: ModelSettings, redis_settings: RedisSettings, gateway: Ga
     try:
         if listen_fd >= 0:  # a child: one process, on the socket its parent bound
             source = resolve_model(model.model, model.load_format, model.model_cache_dir)
-            run_gateway(gateway, redis_settings, model, source, sock=socket.socket(fileno=listen_fd))
+            run_gateway(gateway, redis_settings, model, source, sock=socket.socket(fileno=listen_fd), batch=batch)
             # Stopped. The parent's SIGTERM to all its gateways may still come; during
             # the interpreter's exit (Python handlers gone) it would end this one with -15.
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             return
         listeners = _listen(gateway)
         source = resolve_model(model.model, model.load_format, model.model_cache_dir)
-        env = {**os.environ, **settings_env(model, redis_settings, gateway)}
+        env = {**os.environ, **settings_env(model, redis_settings, gateway, batch)}
         for sock in listeners[1:]:  # from the main thread, as in serve
             gateways.append(start_gateway(sock, env))
-        run_gateway(gateway, redis_settings, model, source, sock=listeners[0], on_stop=lambda: terminate(gateways))
+        run_gateway(gateway, redis_settings, model, source, sock=listeners[0], on_stop=lambda: terminate(gateways),
+                    batch=batch)
     except KeyboardInterrupt:
         pass
     finally:
@@ -286,6 +312,30 @@ def worker_cmd(model: ModelSettings, engine: EngineSettings, redis_settings: Red
 
     try:
         asyncio.run(serve_worker(worker, redis_settings, model, engine))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        pass
+
+
+@settings_command("batch-worker", RedisSettings, BatchSettings, extra=(
+    _option("parent_pid", int, 0, "--parent-pid", hidden=True,
+            help="Exit when this process (the serve that started it) dies"),
+))
+def batch_worker_cmd(redis_settings: RedisSettings, batch: BatchSettings, parent_pid: int) -> None:
+    """Run the batch worker: an arq worker that runs the Batch API's batches by sending
+    their lines to --batch-gateway-url. SIGTERM and SIGINT stop it (running batches
+    resume from their recorded lines on the next start)."""
+    import asyncio
+
+    if parent_pid:
+        from shared.lifecycle import exit_with_parent
+
+        exit_with_parent(parent_pid, signal.SIGKILL)  # as serve's worker
+    if not redis_settings.redis_url:
+        raise typer.BadParameter("the batch worker needs --redis-url (or INFERQ_REDIS_URL)")
+    from worker.batch_jobs import serve_batch_worker
+
+    try:
+        asyncio.run(serve_batch_worker(batch, redis_settings))
     except (KeyboardInterrupt, asyncio.CancelledError):
         pass
 

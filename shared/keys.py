@@ -10,6 +10,15 @@ deployments can share one Redis. The TTLs that go with some keys live here too.
 | ``{ns}:control`` | pub/sub channel | gateways (aborts) | every worker |
 | ``{ns}:worker:{worker_id}`` | string with TTL | worker (heartbeat + status) | gateways, ``inferq queues`` |
 | ``{ns}:request-id:{request_id}`` | string with TTL | gateway (SET NX with the XADD; DEL when the request ends) | gateways (duplicate check) |
+| ``{ns}:{model}:rate-limit:{tenant}`` | hash with TTL | gateways (one Lua script: gateway/rate_limits.py) | the same script |
+| ``{ns}:file:{file_id}`` | string (JSON file object) | gateway (upload), batch worker (output files) | gateways |
+| ``{ns}:files`` | sorted set (file id by creation time) | as above | gateways (``GET /v1/files``) |
+| ``{ns}:batch:{batch_id}`` | hash (batch object fields, JSON values) | gateway (create, cancel), batch worker | gateways, batch workers |
+| ``{ns}:batches`` / ``{ns}:batches:active`` | sorted set / set of batch ids | gateway (create), batch worker (active: removed when done) | gateways (list), batch workers (resume) |
+| ``{ns}:batch:{batch_id}:results`` | hash (custom_id -> result line) | batch worker (HSETNX: one result per line) | batch worker (resume, output files) |
+| ``{ns}:batch:{batch_id}:lease`` | string with TTL | the batch worker running the batch | batch workers (resume) |
+| ``{ns}:batch:{batch_id}:resumed`` | string with TTL | batch workers (``resume_batches``) | batch workers (one resume job at a time) |
+| ``{ns}:arq:queue`` (+ arq's own ``arq:job:*``, ``arq:in-progress:*`` keys) | arq's sorted set of batch jobs | gateway (enqueue), batch workers (cron) | batch workers |
 """
 
 from __future__ import annotations
@@ -54,6 +63,49 @@ class Keys:
         run twice at once (``gateway/request_ids.py``)."""
         return f"{self.namespace}:request-id:{request_id}"
 
+    def rate_limit_key(self, model: str, tenant: str) -> str:
+        """Token buckets of one tenant for ``model`` (fields ``r``, ``t``: requests and
+        tokens left; ``ms``: Redis time of the last update). Expires when both buckets are
+        full again, which is what a missing key means (``gateway/rate_limits.py``)."""
+        return f"{self.namespace}:{model}:rate-limit:{tenant}"
+
     def worker_pattern(self) -> str:
         """SCAN pattern that matches every worker heartbeat key."""
         return f"{self.namespace}:worker:*"
+
+    def file_key(self, file_id: str) -> str:
+        """Metadata of one uploaded or output file: an OpenAI file object as JSON."""
+        return f"{self.namespace}:file:{file_id}"
+
+    def files_index(self) -> str:
+        """Sorted set of every file id, scored by creation time (unix seconds)."""
+        return f"{self.namespace}:files"
+
+    def batch_key(self, batch_id: str) -> str:
+        """Hash of one batch's object fields, each value JSON (``shared/batch_store.py``)."""
+        return f"{self.namespace}:batch:{batch_id}"
+
+    def batches_index(self) -> str:
+        """Sorted set of every batch id, scored by creation time (unix seconds)."""
+        return f"{self.namespace}:batches"
+
+    def active_batches(self) -> str:
+        """Set of the batch ids not yet in a final status (the batch worker resumes them)."""
+        return f"{self.namespace}:batches:active"
+
+    def batch_results(self, batch_id: str) -> str:
+        """Hash custom_id -> result line (JSON) of one batch: written once per line (HSETNX)."""
+        return f"{self.namespace}:batch:{batch_id}:results"
+
+    def batch_lease(self, batch_id: str) -> str:
+        """Lease of the batch worker running ``batch_id`` (value: its token; TTL ``batch_lease_s``)."""
+        return f"{self.namespace}:batch:{batch_id}:lease"
+
+    def batch_resumed(self, batch_id: str) -> str:
+        """Set (with a TTL of a few resume intervals) when ``resume_batches`` enqueues a job
+        for ``batch_id``, so a batch waiting for a free job slot gets one job, not one per tick."""
+        return f"{self.namespace}:batch:{batch_id}:resumed"
+
+    def arq_queue(self) -> str:
+        """arq's job queue of batch jobs (its other keys live under arq's own ``arq:`` prefix)."""
+        return f"{self.namespace}:arq:queue"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -154,10 +155,59 @@ class GatewaySettings:
         "Gateway processes sharing the port (Linux SO_REUSEPORT; `inferq gateway --workers`)"))
     access_log: bool = field(default=False, metadata=_doc(
         "Log one line per HTTP request (uvicorn's access log; off: it costs CPU at high request rates)"))
+    tenant_source: str = field(default="api_key", metadata=_doc(
+        "What names a request's tenant: api_key | user (the body's `user`) | header:<Name> "
+        "(docs/operations.md, \"Rate limits and tenants\")"))
+    rate_limit_rpm: int = field(default=0, metadata=_doc("Requests per minute per tenant (0: unlimited)"))
+    rate_limit_tpm: int = field(default=0, metadata=_doc(
+        "Tokens (prompt + max_tokens, every choice) per minute per tenant (0: unlimited)"))
+    rate_limits: str = field(default="", metadata=_doc(
+        "Per-API-key limits overriding the two above: `key=rpm:tpm,...` (0: unlimited)"))
 
     def __post_init__(self) -> None:
         """Raises: SettingsError: a value that is not allowed."""
         _require_at_least(self, "gateway_workers", 1)
+        source = self.tenant_source
+        header = source.startswith("header:") and _HEADER_NAME_RE.fullmatch(source[len("header:"):]) is not None
+        _require(self, "tenant_source", source in ("api_key", "user") or header,
+                 "must be api_key, user or header:<Name> (an HTTP header name)")
+        _require_at_least(self, "rate_limit_rpm", 0)
+        _require_at_least(self, "rate_limit_tpm", 0)
+        # The value holds API keys: errors name the problem, never the value.
+        rate_limits_field = next(f for f in dataclasses.fields(self) if f.name == "rate_limits")
+        try:
+            per_key = parse_rate_limits(self.rate_limits)
+        except ValueError as exc:
+            raise SettingsError(rate_limits_field, "<not shown>", str(exc)) from None
+        if self.api_keys and not set(per_key) <= set(self.api_keys):
+            raise SettingsError(rate_limits_field, "<not shown>", "names a key that is not among --api-key")
+
+
+#: An HTTP header name (RFC 9110 token), for ``tenant_source`` ``header:<Name>``.
+_HEADER_NAME_RE = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+
+def parse_rate_limits(text: str) -> dict[str, tuple[int, int]]:
+    """``GatewaySettings.rate_limits`` as ``{api_key: (requests_per_min, tokens_per_min)}``
+    (0: unlimited). ``text`` is ``key=rpm:tpm`` items separated by commas; a key may hold
+    ``=`` (the last one splits) but not ``,``.
+
+    Raises:
+        ValueError: an item that is not ``key=rpm:tpm`` with non-negative integers, or a
+            key given twice.
+    """
+    limits: dict[str, tuple[int, int]] = {}
+    for item in (p.strip() for p in text.split(",")):
+        if not item:
+            continue
+        key, _, numbers = item.rpartition("=")
+        rpm, _, tpm = numbers.partition(":")
+        if not key or not (rpm + tpm).isascii() or not rpm.isdigit() or not tpm.isdigit():
+            raise ValueError("must be items key=rpm:tpm (non-negative integers, 0: unlimited) separated by commas")
+        if key in limits:
+            raise ValueError("a key is given twice")
+        limits[key] = (int(rpm), int(tpm))
+    return limits
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +236,39 @@ class WorkerSettings:
         """Raises: SettingsError: a value that is not allowed."""
         _require_at_least(self, "engine_stall_timeout_s", 0.0)
         _require_at_least(self, "fault_hang_after_steps", 0)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchSettings:
+    """The Batch API: uploaded files (gateway) and the arq batch worker (docs/operations.md, "Batches")."""
+
+    files_dir: str = field(default="", metadata=_doc(
+        "Directory of uploaded and batch output files, shared by gateways and batch workers "
+        "(default ~/.cache/inferq/files)"))
+    max_file_bytes: int = field(default=200 * 1024**2, metadata=_doc("Largest uploaded file, bytes (413 above)"))
+    max_file_lines: int = field(default=50_000, metadata=_doc("Most lines (requests) in a batch input file"))
+    batch_completion_window_s: float = field(default=86400.0, metadata=_doc(
+        "How long a batch may run before it expires, seconds (OpenAI's `24h`; lower it only for tests)"))
+    batch_concurrency: int = field(default=64, metadata=_doc("Lines of one batch in flight at once"))
+    batch_gateway_url: str = field(default="http://127.0.0.1:8000", metadata=_doc(
+        "The gateway the batch worker sends lines to (`serve` sets its own)"))
+    batch_api_key: str = field(default="", metadata=_doc(
+        "Bearer token the batch worker sends to the gateway (`serve` uses the first --api-key)"))
+    batch_max_jobs: int = field(default=4, metadata=_doc("Batches one batch worker runs at once"))
+    batch_lease_s: float = field(default=30.0, metadata=_doc(
+        "A batch runner renews its lease on a batch every third of this; a killed runner's batch "
+        "is resumed once it lapses, seconds"))
+    batch_resume_interval_s: int = field(default=10, metadata=_doc(
+        "How often the batch worker looks for batches without a live runner, seconds (a divisor of 60)"))
+
+    def __post_init__(self) -> None:
+        """Raises: SettingsError: a value that is not allowed."""
+        for name in ("max_file_bytes", "max_file_lines", "batch_concurrency", "batch_max_jobs"):
+            _require_at_least(self, name, 1)
+        _require(self, "batch_completion_window_s", self.batch_completion_window_s > 0, "must be above 0")
+        _require(self, "batch_lease_s", self.batch_lease_s > 0, "must be above 0")
+        _require(self, "batch_resume_interval_s", 1 <= self.batch_resume_interval_s <= 60
+                 and 60 % self.batch_resume_interval_s == 0, "must be a divisor of 60")
 
 
 _TRUE = ("1", "true", "yes", "on")
@@ -243,7 +326,7 @@ def build(cls: type[T], overrides: Mapping[str, Any] | None = None,
     return cls(**values)
 
 
-ALL_SETTINGS = (ModelSettings, EngineSettings, RedisSettings, GatewaySettings, WorkerSettings)
+ALL_SETTINGS = (ModelSettings, EngineSettings, RedisSettings, GatewaySettings, WorkerSettings, BatchSettings)
 
 
 def settings_table() -> str:

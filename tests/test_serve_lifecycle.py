@@ -110,9 +110,10 @@ def serve(request: pytest.FixtureRequest, tmp_path: Path, smollm_source) -> Iter
         gateway_ids(url, num_gateways)
         family = _descendants(proc.pid)
         commands = list(_alive(family).values())
-        assert len(commands) == 2 + num_gateways - 1, commands
+        assert len(commands) == 3 + num_gateways - 1, commands
         assert sum("redis-server" in c for c in commands) == 1, commands
         assert sum("shared.cli worker" in c for c in commands) == 1, commands
+        assert sum("shared.cli batch-worker" in c for c in commands) == 1, commands
         assert sum("shared.cli gateway" in c for c in commands) == num_gateways - 1, commands
         yield Serve(proc, url, log_path, family, num_gateways)
     finally:
@@ -185,7 +186,8 @@ def test_stop_signal_drains_and_stops_the_family(serve: Serve, sig: int) -> None
     # serve reaps its children before it exits: nothing of the family may be left now.
     assert _alive(serve.family) == {}, serve.log()
     assert status == 0, serve.log()
-    assert re.search(r"worker \d+ exited with status 0", serve.log())  # drained, not killed
+    assert re.search(r"(?<!batch )worker \d+ exited with status 0", serve.log())  # drained, not killed
+    assert re.search(r"batch worker \d+ exited with status 0", serve.log())
     assert len(re.findall(r"gateway \d+ exited with status 0", serve.log())) == serve.num_gateways - 1
 
 

@@ -1,0 +1,200 @@
+"""State of the Batch API, shared by gateways and batch workers: file metadata and batch
+objects in Redis (key names: ``shared/keys.py``), file bodies in ``files_dir``
+(docs/operations.md, "Batches").
+
+A file is ``{files_dir}/{file_id}.jsonl`` plus an OpenAI file object (JSON) under
+``Keys.file_key``. A batch is a hash of its OpenAI batch object's fields (JSON values)
+under ``Keys.batch_key``; its results (custom_id -> result line) are a second hash,
+written once per custom_id by one Lua script that also counts the line, so a line that
+is run twice (at-least-once delivery) is recorded and counted once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from shared.keys import Keys
+
+#: Endpoints a batch line (and a batch) may target.
+BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+#: The only completion window OpenAI accepts.
+COMPLETION_WINDOW = "24h"
+#: Statuses after which nothing changes.
+FINAL_STATUSES = ("completed", "failed", "expired", "cancelled")
+#: Statuses a batch worker drives forward (``resume_batches`` picks these up).
+ACTIVE_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
+
+# KEYS[1] batch hash; ARGV[1] JSON list of allowed current statuses, ARGV[2] new status,
+# ARGV[3] JSON object of further fields (values already JSON). Returns 1 if moved.
+_TRANSITION = """
+local current = redis.call('HGET', KEYS[1], 'status')
+if not current then return 0 end
+local allowed = cjson.decode(ARGV[1])
+for _, s in ipairs(allowed) do
+  if cjson.encode(s) == current then
+    redis.call('HSET', KEYS[1], 'status', cjson.encode(ARGV[2]))
+    for k, v in pairs(cjson.decode(ARGV[3])) do redis.call('HSET', KEYS[1], k, v) end
+    return 1
+  end
+end
+return 0
+"""
+# KEYS[1] results hash, KEYS[2] batch hash; ARGV[1] custom_id, ARGV[2] line, ARGV[3] the
+# counter field (completed | failed). Returns 1 if the line is new.
+_RECORD = """
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then
+  redis.call('HINCRBY', KEYS[2], ARGV[3], 1)
+  return 1
+end
+return 0
+"""
+
+
+def default_files_dir() -> Path:
+    """``~/.cache/inferq/files``: where files live when ``files_dir`` is empty."""
+    return Path.home() / ".cache" / "inferq" / "files"
+
+
+def new_id(prefix: str) -> str:
+    """A fresh OpenAI-style id, e.g. ``file-3f2a...`` (24 hex digits)."""
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+class BatchStore:
+    """Files and batches over one asyncio Redis client (bytes replies) and ``files_dir``."""
+
+    def __init__(self, client: aioredis.Redis, keys: Keys, files_dir: str) -> None:
+        self.redis = client
+        self.keys = keys
+        self.dir = Path(files_dir) if files_dir else default_files_dir()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._transition = client.register_script(_TRANSITION)
+        self._record = client.register_script(_RECORD)
+
+    # --- files ---
+
+    def path(self, file_id: str) -> Path:
+        """Where the body of ``file_id`` lives."""
+        return self.dir / f"{file_id}.jsonl"
+
+    def temp_path(self) -> Path:
+        """A fresh temporary path in ``files_dir`` (same filesystem: ``os.replace`` is atomic)."""
+        return self.dir / f".tmp-{secrets.token_hex(8)}"
+
+    async def add_file(self, file_id: str, src: Path, filename: str, purpose: str) -> dict[str, Any]:
+        """Move ``src`` to ``file_id``'s path and record its file object (returned)."""
+        os.replace(src, self.path(file_id))
+        obj = {"id": file_id, "object": "file", "bytes": self.path(file_id).stat().st_size,
+               "created_at": int(time.time()), "filename": filename, "purpose": purpose,
+               "status": "processed", "expires_at": None, "status_details": None}
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.set(self.keys.file_key(file_id), json.dumps(obj))
+            pipe.zadd(self.keys.files_index(), {file_id: obj["created_at"]})
+            await pipe.execute()
+        return obj
+
+    async def get_file(self, file_id: str) -> dict[str, Any] | None:
+        """The file object of ``file_id``, or None."""
+        raw = await self.redis.get(self.keys.file_key(file_id))
+        return None if raw is None else json.loads(raw)
+
+    async def list_files(self, purpose: str | None = None) -> list[dict[str, Any]]:
+        """Every file object, newest first (optionally of one ``purpose``)."""
+        ids = [i.decode() for i in await self.redis.zrevrange(self.keys.files_index(), 0, -1)]
+        raws = await self.redis.mget([self.keys.file_key(i) for i in ids]) if ids else []
+        objs = [json.loads(r) for r in raws if r is not None]
+        return [o for o in objs if purpose is None or o["purpose"] == purpose]
+
+    async def delete_file(self, file_id: str) -> bool:
+        """Delete ``file_id``'s metadata and body; False if it did not exist."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self.keys.file_key(file_id))
+            pipe.zrem(self.keys.files_index(), file_id)
+            existed, _ = await pipe.execute()
+        self.path(file_id).unlink(missing_ok=True)
+        return bool(existed)
+
+    # --- batches ---
+
+    async def create_batch(self, obj: dict[str, Any]) -> None:
+        """Store a new batch object and mark it active."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(self.keys.batch_key(obj["id"]), mapping={k: json.dumps(v) for k, v in obj.items()})
+            pipe.zadd(self.keys.batches_index(), {obj["id"]: obj["created_at"]})
+            pipe.sadd(self.keys.active_batches(), obj["id"])
+            await pipe.execute()
+
+    async def get_batch(self, batch_id: str) -> dict[str, Any] | None:
+        """The OpenAI batch object of ``batch_id`` (``request_counts`` filled in), or None."""
+        raw = await self.redis.hgetall(self.keys.batch_key(batch_id))
+        if not raw:
+            return None
+        fields = {k.decode(): json.loads(v) for k, v in raw.items()}
+        completed, failed = int(fields.pop("completed", 0)), int(fields.pop("failed", 0))
+        fields["request_counts"] = {"total": fields.pop("total", 0), "completed": completed, "failed": failed}
+        return fields
+
+    async def list_batches(self, limit: int, after: str | None) -> tuple[list[dict[str, Any]], bool]:
+        """Up to ``limit`` batch objects, newest first, after batch id ``after``; and
+        whether more follow."""
+        ids = [i.decode() for i in await self.redis.zrevrange(self.keys.batches_index(), 0, -1)]
+        if after is not None:
+            ids = ids[ids.index(after) + 1:] if after in ids else []
+        page = [b for b in [await self.get_batch(i) for i in ids[:limit]] if b is not None]
+        return page, len(ids) > limit
+
+    async def set_fields(self, batch_id: str, **fields: Any) -> None:
+        """Set batch fields (values JSON-encoded here)."""
+        await self.redis.hset(self.keys.batch_key(batch_id), mapping={k: json.dumps(v) for k, v in fields.items()})
+
+    async def transition(self, batch_id: str, allowed: tuple[str, ...], status: str, **fields: Any) -> bool:
+        """Atomically move the batch to ``status`` (setting ``fields``) if its status is one
+        of ``allowed``. Returns whether it moved."""
+        extra = json.dumps({k: json.dumps(v) for k, v in fields.items()})
+        moved = await self._transition(keys=[self.keys.batch_key(batch_id)],
+                                       args=[json.dumps(list(allowed)), status, extra])
+        if moved and status in FINAL_STATUSES:
+            await self.redis.srem(self.keys.active_batches(), batch_id)
+        return bool(moved)
+
+    async def record(self, batch_id: str, custom_id: str, line: dict[str, Any], ok: bool) -> bool:
+        """Record the result ``line`` of ``custom_id`` once, counting it as completed (``ok``)
+        or failed. Returns False if it already had one (nothing changes)."""
+        new = await self._record(keys=[self.keys.batch_results(batch_id), self.keys.batch_key(batch_id)],
+                                 args=[custom_id, json.dumps(line), "completed" if ok else "failed"])
+        return bool(new)
+
+    async def done_ids(self, batch_id: str) -> set[str]:
+        """The custom_ids of ``batch_id`` that have a result."""
+        return {k.decode() for k in await self.redis.hkeys(self.keys.batch_results(batch_id))}
+
+    async def results(self, batch_id: str) -> dict[str, dict[str, Any]]:
+        """Every recorded result line of ``batch_id`` by custom_id."""
+        raw = await self.redis.hgetall(self.keys.batch_results(batch_id))
+        return {k.decode(): json.loads(v) for k, v in raw.items()}
+
+    async def active_ids(self) -> list[str]:
+        """The ids of batches not yet in a final status."""
+        return [i.decode() for i in await self.redis.smembers(self.keys.active_batches())]
+
+
+#: Name of the arq function that runs a batch (``worker/batch_jobs.py``).
+RUN_BATCH_JOB = "run_batch"
+
+
+async def enqueue_run(store: BatchStore, batch_id: str) -> None:
+    """Enqueue an arq job that drives ``batch_id`` forward. Each call enqueues a new job
+    (a fresh job id); a job that finds another runner's lease on the batch returns at
+    once, so extra jobs cost nothing (docs/operations.md, "Batches")."""
+    from arq.connections import ArqRedis
+
+    arq = ArqRedis(connection_pool=store.redis.connection_pool)
+    await arq.enqueue_job(RUN_BATCH_JOB, batch_id, _job_id=f"{batch_id}:{time.time_ns()}",
+                          _queue_name=store.keys.arq_queue())

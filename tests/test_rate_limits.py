@@ -1,0 +1,287 @@
+"""Rate limits per tenant (gateway/rate_limits.py) and the tenant of a request
+(gateway/tenants.py): the gateway under uvicorn with a fake worker and a real Redis
+(fixtures: test_gateway_harness.py), and two gateways on one Redis under a burst."""
+
+# ruff: noqa: F811 - pytest fixtures imported from the harness are redefined as parameters
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import socket
+import time
+import uuid
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+import uvicorn
+from starlette.requests import Request
+
+from gateway.app import create_app
+from gateway.metrics import GatewayMetrics
+from gateway.rate_limits import RateLimiter, format_reset
+from gateway.tenants import ANONYMOUS, key_tenant, tenant_of
+from shared.keys import Keys
+from shared.settings import GatewaySettings, ModelSettings, RedisSettings, SettingsError
+from tests.test_gateway_harness import (  # noqa: F401 - fixtures are used by name
+    MODEL,
+    FakeWorker,
+    gateway_settings,
+    harness,
+    redis_server,
+    source,
+    sse_events,
+    tokenizer,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+RATE_HEADERS = [f"x-ratelimit-{what}-{kind}" for kind in ("requests", "tokens")
+                for what in ("limit", "remaining", "reset")]
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def completion(prompt: str = "Hi", **fields: object) -> dict[str, object]:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 8, **fields}
+
+
+def rate_headers(r: httpx.Response) -> dict[str, str]:
+    return {h: r.headers[h] for h in RATE_HEADERS if h in r.headers}
+
+
+def reset_s(text: str) -> float:
+    """An ``x-ratelimit-reset-*`` value (``59.9s``, ``1m0s``, ``17ms``) in seconds."""
+    match = re.fullmatch(r"(?:(\d+)m)?(\d+(?:\.\d+)?)(m?s)", text)
+    assert match is not None, text
+    minutes, number, unit = match.groups()
+    return int(minutes or 0) * 60 + float(number) / (1000 if unit == "ms" else 1)
+
+
+def check_429(r: httpx.Response, kind: str) -> int:
+    """Assert an OpenAI rate-limit 429 on ``kind``; returns its Retry-After, s."""
+    assert r.status_code == 429, r.text
+    error = r.json()["error"]
+    assert error["code"] == "rate_limit_exceeded" and error["type"] == "rate_limit_error", error
+    assert f"on {kind} per min" in error["message"], error
+    retry_after_s = int(r.headers["retry-after"])
+    assert retry_after_s >= 1
+    return retry_after_s
+
+
+# -- tenants and settings ----------------------------------------------------------------
+
+def make_request(headers: dict[str, str]) -> Request:
+    return Request({"type": "http", "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]})
+
+
+def test_tenant_of_each_source() -> None:
+    keyed = make_request(bearer("sk-one"))
+    hashed = key_tenant("sk-one")
+    assert re.fullmatch(r"[0-9a-f]{16}", hashed) and "sk-one" not in hashed
+    assert key_tenant("sk-two") != hashed
+    api_key = GatewaySettings()
+    assert tenant_of(keyed, "alice", api_key) == hashed  # the default source ignores the user field
+    assert tenant_of(make_request({}), None, api_key) == ANONYMOUS
+    assert tenant_of(make_request({"Authorization": "Basic sk-one"}), None, api_key) == ANONYMOUS
+    user = GatewaySettings(tenant_source="user")
+    assert tenant_of(keyed, "alice", user) == "user:alice"
+    assert tenant_of(keyed, None, user) == tenant_of(keyed, "", user) == hashed
+    assert tenant_of(keyed, "x" * 1000, user).startswith("user:sha256-")
+    header = GatewaySettings(tenant_source="header:X-Team")
+    assert tenant_of(make_request({**bearer("sk-one"), "x-team": "red"}), "alice", header) == "header:red"
+    assert tenant_of(keyed, "alice", header) == hashed
+
+
+@pytest.mark.parametrize("fields,problem", [
+    ({"tenant_source": "cookie"}, "must be api_key, user or header:<Name>"),
+    ({"tenant_source": "header:"}, "must be api_key, user or header:<Name>"),
+    ({"tenant_source": "header:X Team"}, "must be api_key, user or header:<Name>"),
+    ({"rate_limit_rpm": -1}, "must be at least 0"),
+    ({"rate_limits": "sk-secret=60"}, "key=rpm:tpm"),
+    ({"rate_limits": "sk-secret=1:2,sk-secret=3:4"}, "given twice"),
+    ({"rate_limits": "sk-secret=1:2", "api_keys": ("sk-other",)}, "not among --api-key"),
+])
+def test_bad_settings_are_named_and_keys_not_shown(fields: dict[str, object], problem: str) -> None:
+    with pytest.raises(SettingsError) as err:
+        GatewaySettings(**fields)  # type: ignore[arg-type]
+    assert problem in str(err.value) and "sk-secret" not in str(err.value)
+
+
+def test_reset_is_written_as_openai_does() -> None:
+    assert [format_reset(ms) for ms in (0, 17, 1000, 1500, 360_000, 86_400, 3_600_000)] == [
+        "0s", "17ms", "1s", "1.5s", "6m0s", "1m26.4s", "1h0m0s"]
+
+
+async def test_redis_down_is_503() -> None:
+    client = aioredis.from_url("redis://127.0.0.1:1", socket_connect_timeout=1)
+    limiter = RateLimiter(client, Keys("t"), MODEL, GatewaySettings(rate_limit_rpm=10), GatewayMetrics(MODEL))
+    with pytest.raises(Exception) as err:
+        await limiter.admit(make_request({}), None, 10)
+    assert getattr(err.value, "status", None) == 503 and err.value.code == "redis_unavailable"  # type: ignore[attr-defined]
+    await client.aclose()
+
+
+# -- one gateway ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("gateway_settings", [GatewaySettings(rate_limit_rpm=3)])
+async def test_requests_per_minute_hold_per_tenant(harness):
+    http = harness.http
+    remaining = []
+    for _ in range(3):
+        r = await http.post("/v1/completions", json=completion(), headers=bearer("a"))
+        assert r.status_code == 200, r.text
+        assert set(rate_headers(r)) == set(RATE_HEADERS[:3])  # tokens unlimited: no tokens triple
+        assert r.headers["x-ratelimit-limit-requests"] == "3"
+        remaining.append(int(r.headers["x-ratelimit-remaining-requests"]))
+    assert remaining == [2, 1, 0]
+    assert 55 <= reset_s(r.headers["x-ratelimit-reset-requests"]) <= 60, r.headers  # full again in a minute
+    num_enqueued = len(harness.worker.requests)
+    r = await http.post("/v1/completions", json=completion(), headers=bearer("a"))
+    retry_after_s = check_429(r, "requests")
+    assert 15 <= retry_after_s <= 20  # one request refills in 60 / 3 s
+    assert r.headers["x-ratelimit-remaining-requests"] == "0"
+    await asyncio.sleep(0.2)
+    assert len(harness.worker.requests) == num_enqueued  # nothing enqueued
+    assert harness.app.state.inferq.relay.num_in_flight == 0  # nothing registered
+    # Another tenant has its own bucket; so does a streaming request of it.
+    async with http.stream("POST", "/v1/completions", json=completion(stream=True), headers=bearer("b")) as r:
+        assert r.status_code == 200
+        assert r.headers["x-ratelimit-remaining-requests"] == "2"
+        await r.aread()
+    assert 'inferq:rate_limited_total{kind="requests",model_name="SmolLM2-135M-Instruct"} 1.0' in harness.metrics()
+    assert 'reason="rate_limited"' in harness.metrics()
+
+
+@pytest.mark.parametrize("gateway_settings", [GatewaySettings(rate_limit_tpm=300)])
+async def test_tokens_per_minute_count_prompt_and_max_tokens_of_every_choice(harness):
+    http = harness.http
+    r = await http.post("/v1/completions", json=completion(max_tokens=20), headers=bearer("a"))
+    assert r.status_code == 200, r.text
+    num_prompt_tokens = r.json()["usage"]["prompt_tokens"]
+    assert set(rate_headers(r)) == set(RATE_HEADERS[3:])
+    left = int(r.headers["x-ratelimit-remaining-tokens"])
+    assert left == 300 - (num_prompt_tokens + 20)
+    # Two prompts x n=3: six children, each reserving its prompt and max_tokens.
+    body = completion(prompt=["Hi", "Hi"], n=3, max_tokens=10)
+    r = await http.post("/v1/completions", json=body, headers=bearer("a"))
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 6
+    before, left = left, int(r.headers["x-ratelimit-remaining-tokens"])
+    assert before - left in (6 * (num_prompt_tokens + 10), 6 * (num_prompt_tokens + 10) - 1)  # refill: < 1 token
+    # Streaming: the headers come with the stream's 200.
+    async with http.stream("POST", "/v1/completions", json=completion(max_tokens=10, stream=True),
+                           headers=bearer("a")) as r:
+        assert r.status_code == 200
+        before, left = left, int(r.headers["x-ratelimit-remaining-tokens"])
+        sse_events((await r.aread()).decode())
+    assert 0 < before - left <= num_prompt_tokens + 10
+    # More than what is left: 429, nothing taken; a small one still passes.
+    num_enqueued = len(harness.worker.requests)
+    r = await http.post("/v1/completions", json=completion(max_tokens=left + 5), headers=bearer("a"))
+    check_429(r, "tokens")
+    assert "Rate limit reached" in r.json()["error"]["message"]
+    r = await http.post("/v1/completions", json=completion(max_tokens=2), headers=bearer("a"))
+    assert r.status_code == 200, r.text
+    assert int(r.headers["x-ratelimit-remaining-tokens"]) >= left - (num_prompt_tokens + 2)
+    assert len(harness.worker.requests) == num_enqueued + 1
+    # Larger than the whole limit: never admitted, said so.
+    r = await http.post("/v1/completions", json=completion(max_tokens=250, n=2), headers=bearer("c"))
+    check_429(r, "tokens")
+    assert "Request too large" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("gateway_settings", [GatewaySettings(rate_limit_rpm=5, max_queue_len=0)])
+async def test_a_refusal_after_the_limiter_carries_the_headers(harness):
+    r = await harness.http.post("/v1/completions", json=completion(), headers=bearer("a"))
+    assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full", r.text
+    assert r.headers["x-ratelimit-remaining-requests"] == "4"  # it passed the limiter, and counts
+
+
+@pytest.mark.parametrize("gateway_settings", [GatewaySettings(rate_limit_rpm=100, rate_limits="k1=1:0,k2=0:0")])
+async def test_per_key_limits_override_the_defaults(harness):
+    http = harness.http
+    assert (await http.post("/v1/completions", json=completion(), headers=bearer("k1"))).status_code == 200
+    check_429(await http.post("/v1/completions", json=completion(), headers=bearer("k1")), "requests")
+    r = await http.post("/v1/completions", json=completion(), headers=bearer("k2"))  # k2: unlimited
+    assert r.status_code == 200 and rate_headers(r) == {}
+    r = await http.post("/v1/completions", json=completion(), headers=bearer("k3"))  # others: the defaults
+    assert r.status_code == 200 and r.headers["x-ratelimit-limit-requests"] == "100"
+
+
+@pytest.mark.parametrize("gateway_settings", [GatewaySettings(rate_limit_rpm=1, tenant_source="user")])
+async def test_users_of_one_key_are_separate_tenants(harness):
+    http = harness.http
+    for user in ("alice", "bob"):
+        r = await http.post("/v1/chat/completions", headers=bearer("k"), json={
+            "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "user": user})
+        assert r.status_code == 200, r.text
+    r = await http.post("/v1/completions", json=completion(user="alice"), headers=bearer("k"))
+    check_429(r, "requests")
+
+
+async def test_limits_off_add_no_headers_and_no_redis_calls(harness):
+    info = aioredis.from_url(harness.redis.url)
+    try:
+        before = (await info.info("commandstats")).get("cmdstat_evalsha", {}).get("calls", 0)
+        r = await harness.http.post("/v1/completions", json=completion(), headers=bearer("a"))
+        assert r.status_code == 200 and rate_headers(r) == {}
+        after = (await info.info("commandstats")).get("cmdstat_evalsha", {}).get("calls", 0)
+        assert after == before
+        assert await info.keys(f"{harness.keys.namespace}:*rate-limit*") == []
+    finally:
+        await info.aclose()
+
+
+# -- two gateways, one Redis ----------------------------------------------------------------
+
+async def start_gateway(settings: GatewaySettings, url: str, keys: Keys, source, tokenizer):
+    app = create_app(settings, RedisSettings(redis_url=url, namespace=keys.namespace),
+                     ModelSettings(max_model_len=256), source, tokenizer=tokenizer)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=1))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        assert not task.done(), task.exception()
+        await asyncio.sleep(0.01)
+    assert await app.state.inferq.relay.wait_ready(10)
+    limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
+    return server, task, sock, httpx.AsyncClient(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}",
+                                                  timeout=30, limits=limits)
+
+
+async def test_a_burst_on_two_gateways_is_admitted_within_the_limit(redis_server, source, tokenizer):
+    limit, num_requests = 100, 200
+    keys = Keys(f"t{uuid.uuid4().hex[:8]}")
+    settings = GatewaySettings(rate_limit_rpm=limit, request_timeout_s=20.0)
+    gateways = [await start_gateway(settings, redis_server.url, keys, source, tokenizer) for _ in range(2)]
+    worker = FakeWorker(redis_server.url, keys, MODEL, tokenizer)
+    await worker.start()
+    try:
+        start_s = time.monotonic()
+        responses = await asyncio.gather(*[
+            gateways[i % 2][3].post("/v1/completions", json=completion(max_tokens=4), headers=bearer("burst"))
+            for i in range(num_requests)])
+        elapsed_s = time.monotonic() - start_s
+        statuses = [r.status_code for r in responses]
+        assert set(statuses) <= {200, 429}, [r.text for r in responses if r.status_code not in (200, 429)][:3]
+        num_admitted = statuses.count(200)
+        # The bucket refills limit / 60 per second while the burst runs; nothing more passes.
+        allowance = limit + math.floor(limit * elapsed_s / 60)
+        print(json.dumps({"admitted": num_admitted, "allowance": allowance, "elapsed_s": round(elapsed_s, 2)}))
+        assert limit <= num_admitted <= allowance
+        assert abs(num_admitted - allowance) <= 0.05 * allowance
+        assert len(worker.requests) == num_admitted
+        assert {r.headers.get("x-ratelimit-limit-requests") for r in responses} == {str(limit)}
+    finally:
+        await worker.stop()
+        for server, task, sock, http in gateways:
+            await http.aclose()
+            server.should_exit = True
+            await task
+            sock.close()
