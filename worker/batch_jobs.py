@@ -321,6 +321,7 @@ def build_worker(batch: BatchSettings, redis_settings: RedisSettings) -> Worker:
 
     async def startup(ctx: dict[str, Any]) -> None:
         logging.getLogger("httpx").setLevel(logging.WARNING)  # not one INFO line per batch line
+        logging.getLogger("arq.worker").setLevel(logging.WARNING)  # nor one per resume check (every few s)
         client = aioredis.from_url(redis_settings.redis_url)
         store = BatchStore(client, keys, batch.files_dir)
         http = httpx.AsyncClient(timeout=LINE_TIMEOUT_S, trust_env=False,
