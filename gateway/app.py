@@ -45,6 +45,7 @@ from gateway.readiness import Readiness, readiness
 from gateway.relay import Relay
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.state import GatewayState
+from gateway.stats import install_stats_route
 from gateway.tasks import BackgroundTasks
 from gateway.tokenize import TokenizerWorker
 from gateway.tokenizer_routes import DetokenizeRequest, TokenizeRequest, handle_detokenize, handle_tokenize
@@ -197,6 +198,7 @@ def create_app(gateway: GatewaySettings, redis: RedisSettings, model: ModelSetti
 
     install_file_routes(app, batch or BatchSettings())
     install_batch_routes(app, batch or BatchSettings())
+    install_stats_route(app, batch or BatchSettings())
     return app
 
 

@@ -20,6 +20,9 @@ and repeat; greedy choices are identical.
   event, ``[DONE]``), and every child closes (aborted if its worker still runs it).
 - ``echo`` (completions): each choice's text starts with its prompt's text; with
   ``logprobs``, the prompt tokens' logprobs (``TokenOutput.prompt_logprobs``) come first.
+  ``echo`` with ``max_tokens: 0`` (``Choice.prompt_only``): the worker runs one step
+  (``PROMPT_ONLY_MAX_TOKENS``) and the choice drops its output token: text and logprobs
+  are the prompt's, ``completion_tokens`` 0, ``finish_reason`` "length".
 """
 
 from __future__ import annotations
@@ -145,7 +148,10 @@ class Choice:
     """One choice of a response: its child request and its own output formatting state.
 
     ``echo``: the prompt text that the choice's text starts with (completions ``echo``),
-    None once sent or when not asked; ``prompt_ids``: its prompt (for echoed logprobs).
+    None once sent or when not asked; ``prompt_ids``: its prompt (for echoed logprobs);
+    ``prompt_only``: echo with ``max_tokens: 0``, so every output token the worker sends
+    (it runs one step to score the prompt) is dropped: no text, no logprobs, not counted,
+    and the choice ends with "length".
     """
 
     gen: Generation
@@ -154,6 +160,12 @@ class Choice:
     logprobs: LogprobsFormatter | None = None
     echo: str | None = None
     prompt_ids: Sequence[int] = ()
+    prompt_only: bool = False
+
+    @property
+    def num_output_tokens(self) -> int:
+        """This choice's ``completion_tokens`` (0 when it scores its prompt only)."""
+        return 0 if self.prompt_only else self.gen.num_output_tokens
 
     def _take_echo(self) -> tuple[str, dict[str, Any] | None]:
         """The echoed prompt's text and logprobs (formatted first, so the output's
@@ -169,6 +181,9 @@ class Choice:
     def body_choice(self, text: str) -> dict[str, Any]:
         """This choice of the non-streaming body, from its whole output ``text``."""
         gen = self.gen
+        if self.prompt_only:
+            echo, echo_logprobs = self._take_echo()
+            return self.shape.choice(echo, "length", None, echo_logprobs)
         content: str | None = text
         calls: list[dict[str, Any]] = []
         if self.tool_calls is not None:
@@ -186,6 +201,8 @@ class Choice:
         prompt before the first), then its finish_reason chunk."""
         if self.tool_calls is not None:
             return b"".join([_tool_step_events(self.shape, self.tool_calls, s.text, s.finish_reason) for s in steps])
+        if self.prompt_only:
+            return self._prompt_only_events(steps)
         out = []
         for s in steps:
             echo, echo_logprobs = self._take_echo()
@@ -194,6 +211,18 @@ class Choice:
             if echo_logprobs is not None:
                 logprobs = join_completion_logprobs(echo_logprobs, logprobs)
             out.append(self.shape.chunk_event(echo + s.text if echo else s.text, s.finish_reason, logprobs))
+        return b"".join(out)
+
+    def _prompt_only_events(self, steps: list[Step]) -> bytes:
+        """``step_events`` of a ``prompt_only`` choice: the echoed prompt (with its
+        logprobs when asked) once, then the "length" chunk when the output is over; the
+        steps' own text and logprobs are dropped."""
+        out = []
+        if self.echo is not None:
+            echo, echo_logprobs = self._take_echo()
+            out.append(self.shape.chunk_event(echo, None, echo_logprobs))
+        if any(s.finish_reason is not None for s in steps):
+            out.append(self.shape.chunk_event("", "length"))
         return b"".join(out)
 
 
@@ -226,8 +255,8 @@ def _fail_siblings(choices: list[Choice], error: OpenAIError) -> None:
 
 
 def num_output_tokens(choices: list[Choice]) -> int:
-    """``completion_tokens``: output tokens of every child."""
-    return sum(c.gen.num_output_tokens for c in choices)
+    """``completion_tokens``: output tokens of every child (``Choice.num_output_tokens``)."""
+    return sum(c.num_output_tokens for c in choices)
 
 
 async def full_response(choices: list[Choice], num_prompt_tokens: int, headers: dict[str, str]) -> Response:

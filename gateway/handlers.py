@@ -135,7 +135,7 @@ async def handle_generate(state: GatewayState, request: Request, *, chat: bool) 
                                              "messages", param)]
         else:
             prompts = await state.tokenizer.completion_prompts(req.prompts, max_len)
-            max_tokens = [resolve_max_tokens(req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, len(p), max_len,
+            max_tokens = [resolve_max_tokens(req.worker_max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, len(p), max_len,
                                              "prompt", "max_tokens") for p in prompts]
             if req.echo:
                 echoes = await prompt_texts(state, req.prompts, prompts)
@@ -161,7 +161,8 @@ async def handle_generate(state: GatewayState, request: Request, *, chat: bool) 
                       tool_calls=ToolCallStream(req.max_num_tool_calls, req.tool_format)
                       if isinstance(req, ChatCompletionRequest) and req.parses_tool_calls else None,
                       logprobs=None if num_top is None else LogprobsFormatter(state.tokenizer.tokenizer, num_top, chat),
-                      echo=None if echoes is None else echoes[k // n], prompt_ids=prompts[k // n])
+                      echo=None if echoes is None else echoes[k // n], prompt_ids=prompts[k // n],
+                      prompt_only=isinstance(req, CompletionRequest) and req.scores_prompt_only)
                for k, gen in enumerate(gens)]
     num_prompt_tokens = sum(len(p) for p in prompts)  # each prompt once, however many choices share it
     headers = {"X-Request-Id": request_id, **rate_headers}

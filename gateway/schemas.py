@@ -43,6 +43,10 @@ MAX_NUM_PROMPTS = 32
 MAX_NUM_CHOICES = 64
 #: Most ``logprobs`` alternatives of ``/v1/completions`` (OpenAI's limit; chat allows ``MAX_LOGPROBS``).
 MAX_COMPLETION_LOGPROBS = 5
+#: ``max_tokens`` sent to the worker for ``echo`` with ``max_tokens: 0`` (scoring a prompt
+#: only, as vLLM allows): the engine needs one step to score the prompt and sends the prompt
+#: logprobs with its first output token, which the gateway then discards (gateway/choices.py).
+PROMPT_ONLY_MAX_TOKENS = 1
 #: ``X-Request-Id``: matched whole (``re.fullmatch``; a pattern ending in ``$`` would also
 #: match before a trailing newline). The OpenAPI schema anchors it with ``^...$``.
 REQUEST_ID_PATTERN = r"[A-Za-z0-9._:\-]{1,128}"
@@ -209,6 +213,8 @@ class CompletionRequest(_SamplingFields):
             raise OpenAIError(400, f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}]", param="logprobs")
         if self.suffix:
             raise OpenAIError(400, "suffix is not supported", param="suffix")
+        if self.scores_prompt_only and self.min_tokens > 0:
+            raise OpenAIError(400, "min_tokens must be 0 with max_tokens 0", param="min_tokens")
         num_prompts = len(self.prompts)
         if num_prompts > MAX_NUM_PROMPTS:
             raise OpenAIError(400, f"prompt takes at most {MAX_NUM_PROMPTS} prompts, got {num_prompts}",
@@ -224,6 +230,18 @@ class CompletionRequest(_SamplingFields):
         if isinstance(self.prompt, str) or not self.prompt or isinstance(self.prompt[0], int):
             return [self.prompt]  # type: ignore[list-item]
         return list(self.prompt)  # type: ignore[arg-type]
+
+    @property
+    def scores_prompt_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: the choices are the prompts (and their logprobs)
+        alone, no output (``max_tokens: 0`` without ``echo`` stays a 400)."""
+        return bool(self.echo) and self.max_tokens == 0
+
+    @property
+    def worker_max_tokens(self) -> int | None:
+        """The ``max_tokens`` to resolve and send: ``PROMPT_ONLY_MAX_TOKENS`` when
+        scoring the prompt only, else ``max_tokens`` as given (None: the default)."""
+        return PROMPT_ONLY_MAX_TOKENS if self.scores_prompt_only else self.max_tokens
 
     @property
     def num_logprobs(self) -> int | None:

@@ -150,6 +150,25 @@ class BatchStore:
         page = [b for b in [await self.get_batch(i) for i in ids[:limit]] if b is not None]
         return page, len(ids) > limit
 
+    async def count_by_status(self) -> dict[str, int]:
+        """Number of batches in each OpenAI status (every status listed, 0 when none):
+        one ZRANGE of the index, then one pipeline of HGET status (O(batches)).
+
+        Raises:
+            redis.exceptions.RedisError, OSError: Redis unreachable.
+        """
+        counts = dict.fromkeys(ACTIVE_STATUSES + FINAL_STATUSES, 0)
+        ids = await self.redis.zrange(self.keys.batches_index(), 0, -1)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for batch_id in ids:
+                pipe.hget(self.keys.batch_key(batch_id.decode()), "status")
+            statuses = await pipe.execute() if ids else []
+        for raw in statuses:
+            if raw is not None:  # indexed, hash gone
+                status = json.loads(raw)
+                counts[status] = counts.get(status, 0) + 1
+        return counts
+
     async def set_fields(self, batch_id: str, **fields: Any) -> None:
         """Set batch fields (values JSON-encoded here)."""
         await self.redis.hset(self.keys.batch_key(batch_id), mapping={k: json.dumps(v) for k, v in fields.items()})

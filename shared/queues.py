@@ -4,7 +4,10 @@ stream, who holds it, and which workers are alive.
 ``snapshot`` reads, per stream ``{ns}:{model}:requests`` (found by SCAN unless models
 are named): XLEN, XINFO GROUPS (group ``workers``), XINFO CONSUMERS, the first pending
 entries (XPENDING with a range) with their delivery counts, and every heartbeat key
-``{ns}:worker:*`` decoded as a ``WorkerStatus``. A consumer without a live heartbeat is
+``{ns}:worker:*`` decoded as a ``WorkerStatus``, judged alive or not by
+``shared.liveness.is_alive``, and the age of the oldest waiting entry (the first entry
+after the group's last delivered id, XRANGE; its id's milliseconds are when it was
+XADDed, on Redis's clock). A consumer without a live heartbeat is
 reported dead: its pending entries wait for a worker's reaper (XPENDING + XCLAIM) or a
 gateway's failover.
 
@@ -23,7 +26,7 @@ from redis.exceptions import ResponseError
 from rich.console import Console
 from rich.table import Table
 
-from shared import protocol
+from shared import liveness, protocol
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.protocol import WorkerStatus
 from shared.streams import MAX_SCANNED_PENDING, PendingEntry, as_text, num_waiting, pending_entries
@@ -50,6 +53,8 @@ class StreamInfo(msgspec.Struct, kw_only=True):
     ``lag`` and ``entries_read`` come from Redis >= 7 only (None on 6.2).
     ``num_redelivered`` counts pending entries delivered more than once among the
     ``num_pending_scanned`` first ones; ``pending`` lists the first few of them.
+    ``oldest_waiting_age_s``: now minus the XADD time of the oldest entry no worker has
+    taken (None: none waits); an entry put back by failover counts from its new XADD.
     """
 
     model: str
@@ -65,16 +70,19 @@ class StreamInfo(msgspec.Struct, kw_only=True):
     dead_consumers: list[str] = msgspec.field(default_factory=list)
     num_pending_scanned: int = 0
     num_redelivered: int = 0
+    oldest_waiting_age_s: float | None = None
     pending: list[PendingEntry] = msgspec.field(default_factory=list)
 
 
 class WorkerInfo(msgspec.Struct, kw_only=True):
-    """A live worker (its heartbeat key exists). ``heartbeat_age_s``: now - its last update."""
+    """A worker whose heartbeat key exists. ``heartbeat_age_s``: now - its last update.
+    ``alive``: ``shared.liveness.is_alive`` (False: its engine is stalled)."""
 
     key: str
     heartbeat_age_s: float
     status: WorkerStatus | None  # None: the key's value did not decode
     error: str = ""
+    alive: bool = True
 
 
 class QueueSnapshot(msgspec.Struct, kw_only=True):
@@ -108,7 +116,8 @@ async def _workers(client: aioredis.Redis, keys: Keys, now_unix_s: float) -> lis
             workers.append(WorkerInfo(key=key, heartbeat_age_s=0.0, status=None,
                                       error=f"holds a {type(status).__name__}"))
             continue
-        workers.append(WorkerInfo(key=key, heartbeat_age_s=now_unix_s - status.updated_unix_s, status=status))
+        workers.append(WorkerInfo(key=key, heartbeat_age_s=now_unix_s - status.updated_unix_s, status=status,
+                                  alive=liveness.is_alive(value)))
     return workers
 
 
@@ -119,8 +128,22 @@ def _live_ids(workers: list[WorkerInfo], keys: Keys) -> set[str]:
     return ids
 
 
+def entry_age_s(entry_id: str, now_unix_s: float) -> float:
+    """Seconds since a stream entry was added: ``now_unix_s`` minus the milliseconds
+    part of its id ``<ms>-<seq>`` (Redis's clock; never below 0 under clock skew)."""
+    return max(0.0, now_unix_s - int(entry_id.split("-", 1)[0]) / 1000)
+
+
+async def _oldest_waiting_age_s(client: aioredis.Redis, stream: str, after_id: str | None,
+                                now_unix_s: float) -> float | None:
+    # Entries after the group's last delivered id were never delivered (finished ones are
+    # XDELed), so the first of them is the oldest waiting. No group: every entry waits.
+    first = await client.xrange(stream, min="-" if after_id is None else f"({after_id}", max="+", count=1)
+    return entry_age_s(as_text(first[0][0]), now_unix_s) if first else None
+
+
 async def _stream(client: aioredis.Redis, keys: Keys, stream: str, live: set[str],
-                  pending_limit: int) -> StreamInfo:
+                  pending_limit: int, now_unix_s: float) -> StreamInfo:
     model = stream[len(keys.namespace) + 1:-len(":requests")]
     length = int(await client.xlen(stream))
     try:
@@ -129,16 +152,20 @@ async def _stream(client: aioredis.Redis, keys: Keys, stream: str, live: set[str
         groups = []
     group = next((g for g in groups if as_text(g["name"]) == CONSUMER_GROUP), None)
     if group is None:
-        return StreamInfo(model=model, stream=stream, length=length, has_group=False, num_waiting=length)
+        return StreamInfo(model=model, stream=stream, length=length, has_group=False, num_waiting=length,
+                          oldest_waiting_age_s=await _oldest_waiting_age_s(client, stream, None, now_unix_s))
     raw_consumers = await client.xinfo_consumers(stream, CONSUMER_GROUP)
     consumers = [ConsumerInfo(name=as_text(c["name"]), num_pending=int(c["pending"]), idle_ms=int(c["idle"]),
                               alive=as_text(c["name"]) in live) for c in raw_consumers]
     num_pending = int(group["pending"])
     pending = await pending_entries(client, stream, pending_limit) if num_pending else []
     lag, entries_read = group.get("lag"), group.get("entries-read")
+    last_delivered_id = as_text(group["last-delivered-id"])
+    waiting = num_waiting(length, num_pending)
+    oldest_s = await _oldest_waiting_age_s(client, stream, last_delivered_id, now_unix_s) if waiting else None
     return StreamInfo(
         model=model, stream=stream, length=length, has_group=True, num_pending=num_pending,
-        num_waiting=num_waiting(length, num_pending), last_delivered_id=as_text(group["last-delivered-id"]),
+        num_waiting=waiting, last_delivered_id=last_delivered_id, oldest_waiting_age_s=oldest_s,
         entries_read=None if entries_read is None else int(entries_read), lag=None if lag is None else int(lag),
         consumers=consumers, dead_consumers=[c.name for c in consumers if not c.alive],
         num_pending_scanned=len(pending), num_redelivered=sum(p.redelivered for p in pending),
@@ -161,7 +188,7 @@ async def snapshot(client: aioredis.Redis, keys: Keys, models: list[str] | None 
     workers = await _workers(client, keys, now)
     live = _live_ids(workers, keys)
     names = [keys.requests_stream(m) for m in models] if models is not None else await _stream_names(client, keys)
-    streams = [await _stream(client, keys, name, live, pending_limit) for name in names]
+    streams = [await _stream(client, keys, name, live, pending_limit, now) for name in names]
     return QueueSnapshot(namespace=keys.namespace, taken_unix_s=now, streams=streams, workers=workers)
 
 
@@ -173,7 +200,8 @@ def to_json(snap: QueueSnapshot) -> str:
 def render(snap: QueueSnapshot) -> list[Table]:
     """Rich tables: streams, consumers, first pending entries, workers."""
     streams = Table(title=f"request streams ({snap.namespace})")
-    for col in ("model", "length", "waiting", "pending", "redelivered", "consumers", "dead", "last delivered"):
+    for col in ("model", "length", "waiting", "oldest wait s", "pending", "redelivered", "consumers", "dead",
+                "last delivered"):
         streams.add_column(col, justify="left" if col in ("model", "last delivered") else "right")
     consumers = Table(title="consumers (group workers)")
     for col in ("model", "consumer", "pending", "idle s", "heartbeat"):
@@ -185,7 +213,8 @@ def render(snap: QueueSnapshot) -> list[Table]:
         redelivered = f"{s.num_redelivered}" + ("+" if s.num_pending_scanned < s.num_pending else "")
         dead = f"[red]{len(s.dead_consumers)}[/red]" if any(
             c.num_pending for c in s.consumers if not c.alive) else str(len(s.dead_consumers))
-        streams.add_row(s.model, str(s.length), str(s.num_waiting), str(s.num_pending), redelivered,
+        oldest = "-" if s.oldest_waiting_age_s is None else f"{s.oldest_waiting_age_s:.1f}"
+        streams.add_row(s.model, str(s.length), str(s.num_waiting), oldest, str(s.num_pending), redelivered,
                         str(len(s.consumers)), dead, s.last_delivered_id or ("-" if s.has_group else "no group"))
         for c in s.consumers:
             state = "alive" if c.alive else ("[red]dead[/red]" if c.num_pending else "gone")
@@ -193,14 +222,15 @@ def render(snap: QueueSnapshot) -> list[Table]:
         for p in s.pending:
             pending.add_row(s.model, p.entry_id, p.consumer, f"{p.idle_ms / 1000:.1f}", str(p.num_deliveries))
     workers = Table(title="live workers (heartbeat keys)")
-    for col in ("worker", "model", "backend", "running", "waiting", "kv usage", "heartbeat age s", "pid"):
+    for col in ("worker", "model", "backend", "state", "running", "waiting", "kv usage", "heartbeat age s", "pid"):
         workers.add_column(col, justify="left" if col in ("worker", "model", "backend") else "right")
     for w in snap.workers:
         st = w.status
         if st is None:
-            workers.add_row(w.key, "?", f"[red]{w.error}[/red]", "", "", "", "", "")
+            workers.add_row(w.key, "?", f"[red]{w.error}[/red]", "alive", "", "", "", "", "")
             continue
-        workers.add_row(st.worker_id, st.model, st.backend, str(st.num_running), str(st.num_waiting),
+        state = "alive" if w.alive else "[red]stalled[/red]"
+        workers.add_row(st.worker_id, st.model, st.backend, state, str(st.num_running), str(st.num_waiting),
                         f"{st.kv_usage:.1%}", f"{w.heartbeat_age_s:.1f}", str(st.pid))
     return [streams, consumers, pending, workers]
 

@@ -301,6 +301,8 @@ async def test_duplicate_client_id_enqueues_no_child(harness):
     ({"prompt": ["x"] * 33}, "prompt"),
     ({"prompt": ["x"] * 5, "n": 13}, "n"),
     ({"prompt": "x", "n": 2, "seed": 2**63 - 1}, "seed"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),  # scoring the prompt only needs echo
+    ({"prompt": "x", "max_tokens": 0, "echo": True, "extra_body": {"min_tokens": 1}}, "min_tokens"),
 ])
 async def test_limits_are_400_naming_the_param(harness, body, param):
     async with client(harness) as c:
@@ -317,13 +319,16 @@ def fake_logprobs(index: int, token_id: int, num_top: int) -> TokenLogprobs:
 
 
 async def answer_with_prompt_logprobs(req: GenerateRequest, w: FakeWorker) -> None:
-    """" done" then EOS in one message; logprobs and prompt logprobs as asked (what a
-    worker sends: ``prompt_logprobs`` on the first entry, scoring prompt tokens 1..)."""
-    ids = [*w.tok.encode(" done", add_special_tokens=False), w.tok.eos_token_id]
+    """" done" then EOS in one message (cut to ``max_tokens``, then ending with "length");
+    logprobs and prompt logprobs as asked (what a worker sends: ``prompt_logprobs`` on the
+    first entry, scoring prompt tokens 1..)."""
+    answer = [*w.tok.encode(" done", add_special_tokens=False), w.tok.eos_token_id]
+    ids = answer[:req.sampling.max_tokens]
     k = req.sampling.logprobs
     prompt_k = req.sampling.prompt_logprobs
     out = TokenOutput(
-        request_id=req.request_id, attempt=req.attempt, first_index=0, token_ids=ids, finish_reason="stop",
+        request_id=req.request_id, attempt=req.attempt, first_index=0, token_ids=ids,
+        finish_reason="stop" if ids == answer else "length",
         num_prompt_tokens=len(req.prompt_token_ids),
         logprobs=None if k is None else [fake_logprobs(100 + i, t, k) for i, t in enumerate(ids)],
         prompt_logprobs=None if prompt_k is None else [fake_logprobs(i, t, prompt_k)
@@ -374,6 +379,36 @@ async def test_echo_with_logprobs_puts_the_prompt_first(harness, tokenizer):
         assert lp.token_logprobs[num] == -0.5 * 101
         assert lp.text_offset[0] == 0 and lp.text_offset[num] == sum(len(t) for t in prompt_tokens)
         assert len(lp.top_logprobs[1]) == 2
+
+
+async def test_echo_max_tokens_0_scores_the_prompt_only(harness, tokenizer):
+    """``echo`` + ``max_tokens: 0``: the worker runs one step (``max_tokens`` 1) for the
+    prompt's logprobs; each choice is the prompt alone: its text and logprobs, no output
+    token, ``completion_tokens`` 0, finish_reason "length"; streaming likewise."""
+    harness.worker.behavior = answer_with_prompt_logprobs
+    prompt = "The sky is"
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    prompt_tokens = [TokenTexts(tokenizer).get(t)[0] for t in prompt_ids]
+    kw = {"model": MODEL, "prompt": prompt, "echo": True, "max_tokens": 0}
+    async with client(harness) as c:
+        resp = await c.completions.create(logprobs=1, **kw)
+        stream = await c.completions.create(logprobs=1, stream=True, stream_options={"include_usage": True}, **kw)
+        chunks = [ch async for ch in stream]
+        listed = await c.completions.create(**{**kw, "prompt": [prompt, "Hi"]}, n=2)
+    assert [(r.sampling.max_tokens, r.sampling.prompt_logprobs) for r in harness.worker.requests[:2]] == [(1, 1)] * 2
+    choice = resp.choices[0]
+    assert (choice.text, choice.finish_reason) == (prompt, "length")
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (len(prompt_ids), 0)
+    lp = choice.logprobs
+    assert lp.tokens == prompt_tokens and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == [-0.5 * (i + 1) for i in range(len(prompt_ids) - 1)]
+    *parts, last = chunks
+    assert "".join(ch.choices[0].text for ch in parts) == prompt
+    assert [ch.choices[0].finish_reason for ch in parts] == [None] * (len(parts) - 1) + ["length"]
+    assert [t for ch in parts if ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens] == prompt_tokens
+    assert (last.choices, last.usage.completion_tokens) == ([], 0)
+    assert [(ch.text, ch.finish_reason) for ch in listed.choices] == [(p, "length") for p in [prompt] * 2 + ["Hi"] * 2]
+    assert all(ch.logprobs is None for ch in listed.choices) and listed.usage.completion_tokens == 0
 
 
 def test_prompt_logprobs_formatting(tokenizer):
