@@ -98,32 +98,17 @@ def test_wire_round_trip_and_absent_when_not_asked() -> None:
 async def test_worker_publishes_logprobs(smollm_source, offline, client) -> None:
     """The worker's Redis adapter (``worker/service.py``) carries each token's logprobs
     from the real engine into its ``TokenOutput``s."""
-    import asyncio
-    import time
 
-    from shared.keys import STREAM_FIELD, Keys
-    from shared.protocol import GenerateRequest
     from shared.settings import EngineSettings, ModelSettings
-    from tests.test_worker_paths import replies_until_finished, running
+    from tests.test_worker_paths import serve_one
     from worker.backends.inferq import InferqBackend
-    from worker.service import Worker
 
-    keys = Keys("tlp")
-    channel = keys.gateway_channel("g1")
     params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=3)
     prompt = offline.encode(PROMPTS[0])
     (want,) = offline.generate([prompt], params)
     backend = InferqBackend(smollm_source, ModelSettings(dtype="float32", device="cpu", max_model_len=256),
                             EngineSettings(num_kv_blocks=64, max_num_seqs=4))
-    pubsub = client.pubsub()
-    await pubsub.subscribe(channel)
-    request = GenerateRequest(request_id="lp", model="m", prompt_token_ids=prompt, sampling=params,
-                              reply_channel=channel, deadline_unix_s=time.time() + 60)
-    await client.xadd(keys.requests_stream("m"), {STREAM_FIELD: protocol.encode(request)})
-    worker = Worker(client, keys, "m", "w1", backend)
-    async with running(worker):
-        got = (await asyncio.wait_for(replies_until_finished(pubsub, {"lp"}), 60))["lp"]
-    await pubsub.aclose()
+    got = await serve_one(client, backend, "tlp", "lp", prompt, params)
     ids = [t for out in got for t in out.token_ids]
     logprobs = [lp for out in got for lp in out.logprobs or ()]
     assert ids == want.token_ids and len(logprobs) == len(ids)

@@ -125,31 +125,16 @@ def test_validation_and_sim_backend_refuses() -> None:
 async def test_worker_publishes_prompt_logprobs_on_the_first_entry(smollm_source, offline, client) -> None:
     """The worker's Redis adapter carries the engine's prompt logprobs into the
     request's first ``TokenOutput`` only."""
-    import asyncio
-    import time
 
-    from shared import protocol
-    from shared.keys import STREAM_FIELD, Keys
-    from shared.protocol import GenerateRequest
-    from tests.test_worker_paths import replies_until_finished, running
+    from tests.test_worker_paths import serve_one
     from worker.backends.inferq import InferqBackend
-    from worker.service import Worker
 
-    keys = Keys("tpl")
-    channel = keys.gateway_channel("g1")
     params = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=2)
     prompt = offline.encode(TEXT)[:24]
     (want,) = offline.generate([prompt], params)
     backend = InferqBackend(smollm_source, ModelSettings(dtype="float32", device="cpu", max_model_len=256),
                             EngineSettings(num_kv_blocks=64, max_num_seqs=4))
-    pubsub = client.pubsub()
-    await pubsub.subscribe(channel)
-    request = GenerateRequest(request_id="pl", model="m", prompt_token_ids=prompt, sampling=params,
-                              reply_channel=channel, deadline_unix_s=time.time() + 60)
-    await client.xadd(keys.requests_stream("m"), {STREAM_FIELD: protocol.encode(request)})
-    async with running(Worker(client, keys, "m", "w1", backend)):
-        got = (await asyncio.wait_for(replies_until_finished(pubsub, {"pl"}), 60))["pl"]
-    await pubsub.aclose()
+    got = await serve_one(client, backend, "tpl", "pl", prompt, params)
     assert got[0].prompt_logprobs is not None and all(out.prompt_logprobs is None for out in got[1:])
     assert len(got[0].prompt_logprobs) == len(prompt) - 1
     for lp, ref in zip(got[0].prompt_logprobs, want.prompt_logprobs, strict=True):

@@ -238,27 +238,12 @@ def test_logit_bias_ban_changes_the_first_token_alike(backend, prompts, offline)
 async def test_worker_publishes_vllm_logprobs(backend, prompts, client) -> None:
     """Through the worker's Redis adapter (``worker/service.py``): the first
     ``TokenOutput`` carries the prompt logprobs, every one a logprob per token."""
-    import asyncio
-    import time
 
-    from shared import protocol
-    from shared.keys import STREAM_FIELD, Keys
-    from shared.protocol import GenerateRequest
-    from tests.test_worker_paths import replies_until_finished, running
-    from worker.service import Worker
+    from tests.test_worker_paths import serve_one
 
-    keys = Keys("tvlp")
-    channel = keys.gateway_channel("g1")
     prompt = prompts[0]
     params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, prompt_logprobs=1)
-    pubsub = client.pubsub()
-    await pubsub.subscribe(channel)
-    request = GenerateRequest(request_id="vlp", model="m", prompt_token_ids=prompt, sampling=params,
-                              reply_channel=channel, deadline_unix_s=time.time() + 60)
-    await client.xadd(keys.requests_stream("m"), {STREAM_FIELD: protocol.encode(request)})
-    async with running(Worker(client, keys, "m", "w1", backend)):
-        got = (await asyncio.wait_for(replies_until_finished(pubsub, {"vlp"}), 60))["vlp"]
-    await pubsub.aclose()
+    got = await serve_one(client, backend, "tvlp", "vlp", prompt, params)
     ids = [t for out in got for t in out.token_ids]
     assert len(ids) == 4 and all(len(out.logprobs) == len(out.token_ids) for out in got)
     assert [lp.top[0][0] for out in got for lp in out.logprobs] == ids  # greedy

@@ -132,6 +132,25 @@ async def replies_until_finished(pubsub: aioredis.client.PubSub, request_ids: se
     return out
 
 
+async def serve_one(client: aioredis.Redis, backend: Any, namespace: str, request_id: str, prompt: list[int],
+                    params: SamplingParams, timeout_s: float = 60.0) -> list[Reply]:
+    """Queue one request on ``namespace``'s stream, run a worker over ``backend`` until it
+    finished, and return its replies in order (what its gateway would have received)."""
+    keys = Keys(namespace)
+    channel = keys.gateway_channel("g1")
+    pubsub = client.pubsub()
+    await pubsub.subscribe(channel)
+    try:
+        request = GenerateRequest(request_id=request_id, model="m", prompt_token_ids=prompt, sampling=params,
+                                  reply_channel=channel, deadline_unix_s=time.time() + timeout_s)
+        await client.xadd(keys.requests_stream("m"), {STREAM_FIELD: protocol.encode(request)})
+        async with running(Worker(client, keys, "m", "w1", backend)):
+            replies = await asyncio.wait_for(replies_until_finished(pubsub, {request_id}), timeout_s)
+    finally:
+        await pubsub.aclose()
+    return replies[request_id]
+
+
 def assert_contiguous(messages: list[Reply], first_index: int, num_tokens: int) -> None:
     """Token outputs numbered without gap or overlap from ``first_index``, echoing the
     prompt, the last one finishing with ``length`` after ``num_tokens`` tokens."""
