@@ -92,7 +92,8 @@ class Bench:
     def build(self) -> LLM:
         t0 = time.perf_counter()
         llm = LLM(model=self.args.model, load_format="dummy", max_num_seqs=self.args.max_num_seqs,
-                  max_model_len=4096, max_num_batched_tokens=4096, mixed_cuda_graphs=self.args.mixed_cuda_graphs)
+                  max_model_len=4096, max_num_batched_tokens=4096, mixed_cuda_graphs=self.args.mixed_cuda_graphs,
+                  kv_cache_dtype=self.args.kv_cache_dtype, quantization=self.args.quantization)
         runner = llm.engine.runner
         model = runner.model
         cfg = model.config
@@ -105,14 +106,16 @@ class Bench:
             weight_bytes -= emb.numel() * emb.element_size()
             params -= emb.numel()
         self.weight_bytes, self.params = weight_bytes, params
-        self.kv_bytes_per_token = cfg.kv_bytes_per_token(emb.element_size())
+        self.kv_bytes_per_token = cfg.kv_bytes_per_token(runner.kv_caches[0][0].element_size())
         self.vocab = cfg.vocab_size
         self.res["engine"] = {"build_s": round(time.perf_counter() - t0, 2),
                               "graph_capture_s": round(runner.capture_time_s, 2),
                               "graph_memory_gib": round(runner.graph_memory_bytes / 2**30, 2),
                               "graph_buckets": runner.graphs.buckets if runner.graphs else None,
                               "mixed_graph_buckets": runner.mixed.buckets if runner.mixed else None,
-                              "num_kv_blocks": runner.num_blocks, "weight_bytes": weight_bytes,
+                              "num_kv_blocks": runner.num_blocks, "kv_cache_dtype": self.args.kv_cache_dtype,
+                              "quantization": self.args.quantization,
+                              "weight_bytes": weight_bytes,
                               "params_excl_embedding": params, "backend": runner.backend.name,
                               "fused_ops": sorted(runner.backend.fused_ops)}
         print(f"engine built in {self.res['engine']['build_s']} s, graphs captured in "
@@ -359,6 +362,10 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--mixed-cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="capture CUDA graphs of steps that carry prefill chunks (off: they run eagerly)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                    help="KV cache element type (fp8: float8 e4m3)")
+    ap.add_argument("--quantization", default="none", choices=("none", "fp8"),
+                    help="linear weights in FP8 (worker/models/fp8.py)")
     ap.add_argument("--no-fused-ab", dest="fused_ab", action="store_false",
                     help="skip the fused-ops A/B of the decode section (5 recaptures)")
     args = ap.parse_args()

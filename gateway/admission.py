@@ -1,6 +1,7 @@
 """Admission control and enqueue: refuse work when the model's queue is full (429),
-answer 503 when Redis is unreachable, and put accepted requests on the stream: one
-request's child requests (gateway/choices.py) in one atomic step, all of them or none."""
+answer 503 when Redis is unreachable, and put accepted requests on their (class, tenant)
+stream through the fair queue's enqueue script (``shared/fair_queue.py``): one request's
+child requests (gateway/choices.py) in one atomic step, all of them or none."""
 
 from __future__ import annotations
 
@@ -8,14 +9,11 @@ import asyncio
 import contextlib
 from collections.abc import Iterator
 
-import redis.asyncio as aioredis
 import redis.exceptions
 
 from gateway.errors import OpenAIError
-from shared import protocol
-from shared.keys import STREAM_FIELD
+from shared.fair_queue import FairQueue
 from shared.protocol import GenerateRequest
-from shared.streams import queue_depth
 
 #: ``Retry-After`` of a 429, seconds.
 RETRY_AFTER_S = 1
@@ -33,8 +31,9 @@ def redis_guard(what: str) -> Iterator[None]:
 
 
 class QueueDepthReader:
-    """The model stream's queue depth for admission, one Redis read shared by every
-    admission that arrives while it is in flight (single flight).
+    """The model's queue depth for admission (waiting entries summed over every class and
+    tenant stream, ``FairQueue.num_waiting``), one Redis read shared by every admission
+    that arrives while it is in flight (single flight).
 
     A gateway admitting 1,000 requests at once used to read XLEN + XPENDING once per
     request: a pipeline round trip each, about a quarter of its CPU during the burst
@@ -43,9 +42,8 @@ class QueueDepthReader:
     see a fresh depth. Admissions that shared a read count each other's children.
     """
 
-    def __init__(self, client: aioredis.Redis, stream: str) -> None:
-        self._client = client
-        self._stream = stream
+    def __init__(self, queue: FairQueue) -> None:
+        self._queue = queue
         self._read: _SharedRead | None = None
 
     async def depth(self) -> tuple[int, _SharedRead]:
@@ -57,7 +55,7 @@ class QueueDepthReader:
         """
         read = self._read
         if read is None:
-            read = self._read = _SharedRead(asyncio.ensure_future(queue_depth(self._client, self._stream)))
+            read = self._read = _SharedRead(asyncio.ensure_future(self._queue.num_waiting()))
             read.future.add_done_callback(lambda _: self._forget(read))
         return await asyncio.shield(read.future) + read.num_admitted, read
 
@@ -95,44 +93,28 @@ async def check_queue(reader: QueueDepthReader, max_queue_len: int, num_new: int
     read.num_admitted += num_new
 
 
-# SET NX the request-id key (value: the request's wire id, so only this request frees it)
-# and XADD every child in one atomic step: either all happen or none (a duplicate id
-# adds nothing to the stream). ARGV: ttl, stream field, wire id, then one payload per child.
-_ENQUEUE_ONCE = """
-if not redis.call('SET', KEYS[2], ARGV[3], 'NX', 'EX', ARGV[1]) then
-  return false
-end
-local ids = {}
-for i = 4, #ARGV do
-  ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[i])
-end
-return ids
-"""
-
-
 class Enqueuer:
-    """Puts accepted requests on the model's stream.
+    """Puts accepted requests on their (class, tenant) stream of the model's fair queue.
 
     A single-child request without an X-Request-Id (the common case) goes through a group
-    commit: XADDs that arrive while one batch is being written go out together in the
-    next non-transactional pipeline, one round trip on one connection. Under a burst of
+    commit: enqueue scripts that arrive while one batch is being written go out together
+    in the next non-transactional pipeline, one round trip on one connection. Under a burst of
     1,000 requests, one XADD each had every request take its own pooled connection (the
     pool's lock and 1,000 connection handshakes) and a round trip; with this and the shared
     depth read the gateway's CPU for such a burst fell from 1.40 to 0.85 s (2-core CPU,
-    docs/benchmarks.md, "Where the wall time goes, and two changes"). Each XADD
+    docs/benchmarks.md, "Where the wall time goes, and two changes"). Each script
     is atomic on its own, so batching them changes nothing about what a failure leaves.
     """
 
-    def __init__(self, client: aioredis.Redis, stream: str) -> None:
-        self._client = client
-        self._stream = stream
-        self._batch: list[tuple[bytes, asyncio.Future[bytes]]] = []
+    def __init__(self, queue: FairQueue) -> None:
+        self._queue = queue
+        self._batch: list[tuple[str, GenerateRequest, asyncio.Future[bytes]]] = []
         self._writer: asyncio.Task[None] | None = None
 
-    async def enqueue(self, requests: list[GenerateRequest], request_id_key: str | None = None, wire_id: str = "",
-                      ttl_s: int = 0) -> list[bytes]:
-        """XADD ``requests`` (one client request's children) in one atomic step (a Lua
-        script, or MULTI/EXEC without ``request_id_key``; a lone request: the group
+    async def enqueue(self, stream: str, requests: list[GenerateRequest], request_id_key: str | None = None,
+                      wire_id: str = "", ttl_s: int = 0) -> list[bytes]:
+        """XADD ``requests`` (one client request's children, all of one class and tenant)
+        to ``stream`` in one atomic step (``FairQueue.enqueue``; a lone request: the group
         commit): all of them or none. Returns their entry ids, in order. With
         ``request_id_key`` (a client-supplied id), the XADDs happen only if that key did
         not exist; the key then holds ``wire_id`` until the request ends
@@ -143,18 +125,12 @@ class Enqueuer:
             OpenAIError: 409 duplicate request id; 503 when Redis is unreachable or refuses
                 the write (e.g. out of memory).
         """
-        payloads = [protocol.encode(r) for r in requests]  # before any write: an error here writes nothing
         with redis_guard("enqueue"):
             try:
-                if request_id_key is None and len(payloads) == 1:
-                    return [await self._add_to_batch(payloads[0])]
-                if request_id_key is None:
-                    async with self._client.pipeline(transaction=True) as pipe:
-                        for payload in payloads:
-                            pipe.xadd(self._stream, {STREAM_FIELD: payload})
-                        return list(await pipe.execute())
-                entry_ids = await self._client.eval(_ENQUEUE_ONCE, 2, self._stream, request_id_key, max(1, ttl_s),
-                                                    STREAM_FIELD, wire_id, *payloads)
+                if request_id_key is None and len(requests) == 1:
+                    return [await self._add_to_batch(stream, requests[0])]
+                entry_ids = await self._queue.enqueue(stream, requests, request_id_key=request_id_key,
+                                                      wire_id=wire_id, ttl_s=ttl_s)
             except redis.exceptions.ResponseError as exc:
                 raise OpenAIError(503, f"Redis refused the request ({exc})", code="redis_unavailable") from exc
         if entry_ids is None:
@@ -162,10 +138,10 @@ class Enqueuer:
                               param="X-Request-Id", code="duplicate_request")
         return list(entry_ids)
 
-    async def _add_to_batch(self, payload: bytes) -> bytes:
-        """One XADD through the group commit; its entry id, or its error raised."""
+    async def _add_to_batch(self, stream: str, request: GenerateRequest) -> bytes:
+        """One enqueue through the group commit; its entry id, or its error raised."""
         future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        self._batch.append((payload, future))
+        self._batch.append((stream, request, future))
         if self._writer is None:
             self._writer = asyncio.create_task(self._write_batches())
         # Shielded: a client that leaves must not cancel the write of everyone's batch.
@@ -174,27 +150,27 @@ class Enqueuer:
     async def _write_batches(self) -> None:
         """Write batches until none is waiting; every future gets its entry id or error
         (also when this task is cancelled: the XADDs not confirmed fail as unreachable)."""
-        batch: list[tuple[bytes, asyncio.Future[bytes]]] = []
+        batch: list[tuple[str, GenerateRequest, asyncio.Future[bytes]]] = []
         try:
             while self._batch:
                 batch, self._batch = self._batch, []
                 try:
-                    async with self._client.pipeline(transaction=False) as pipe:
-                        for payload, _ in batch:
-                            pipe.xadd(self._stream, {STREAM_FIELD: payload})
+                    async with self._queue.client.pipeline(transaction=False) as pipe:
+                        for stream, request, _ in batch:
+                            await self._queue.enqueue(stream, [request], pipe=pipe)
                         results = await pipe.execute(raise_on_error=False)
-                except Exception as exc:  # noqa: BLE001 - connection lost: every XADD of the batch fails
+                except Exception as exc:  # noqa: BLE001 - connection lost: every enqueue of the batch fails
                     results = [exc] * len(batch)
-                for (_, future), result in zip(batch, results, strict=True):
+                for (_, _, future), result in zip(batch, results, strict=True):
                     if future.done():
                         continue
                     if isinstance(result, BaseException):
                         future.set_exception(result)
                     else:
-                        future.set_result(result)
+                        future.set_result(result[0])
         finally:
             self._writer = None
-            for _, future in batch + self._batch:
+            for _, _, future in batch + self._batch:
                 if not future.done():
                     future.set_exception(redis.exceptions.ConnectionError("the enqueue writer stopped"))
             self._batch = []

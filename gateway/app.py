@@ -49,6 +49,7 @@ from gateway.stats import install_stats_route
 from gateway.tasks import BackgroundTasks
 from gateway.tokenize import TokenizerWorker
 from gateway.tokenizer_routes import DetokenizeRequest, TokenizeRequest, handle_detokenize, handle_tokenize
+from shared.fair_queue import FairQueue
 from shared.keys import Keys
 from shared.model_source import ModelSource, max_model_len, served_model_name
 from shared.settings import BatchSettings, GatewaySettings, ModelSettings, RedisSettings
@@ -100,6 +101,7 @@ def create_app(gateway: GatewaySettings, redis: RedisSettings, model: ModelSetti
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = aioredis.from_url(redis.redis_url, socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S)
         gateway_id = app.state.gateway_id
+        queue = FairQueue(client, keys, served_name)
         relay = Relay(client, keys.gateway_channel(gateway_id),
                       on_orphans=lambda request_ids: state.publish_abort(request_ids, "orphaned"))
         state = GatewayState(
@@ -108,8 +110,7 @@ def create_app(gateway: GatewaySettings, redis: RedisSettings, model: ModelSetti
             tokenizer=TokenizerWorker(tokenizer, source.config, num_encode_threads=gateway.num_tokenizer_threads,
                                       encode_timeout_s=gateway.tokenize_timeout_s),
             metrics=metrics, tasks=BackgroundTasks(),
-            queue_depth=QueueDepthReader(client, keys.requests_stream(served_name)),
-            enqueuer=Enqueuer(client, keys.requests_stream(served_name)),
+            queue=queue, queue_depth=QueueDepthReader(queue), enqueuer=Enqueuer(queue),
             rate_limiter=RateLimiter(client, keys, served_name, gateway, metrics),
             created_unix_s=int(time.time()),
             max_model_len=max_model_len(source.config, model.max_model_len))

@@ -13,7 +13,8 @@ and repeat; greedy choices are identical.
   client's ``X-Request-Id`` stays reserved (gateway/request_ids.py) until the last child
   closes.
 - Admission is all or nothing: the queue-depth check counts every child, and one atomic
-  Redis step XADDs them all or none (``admission.Enqueuer``).
+  Redis step XADDs them all or none (``admission.Enqueuer``), to the stream of the
+  request's priority class and tenant (``shared/fair_queue.py``).
 - Response: one body, choices in index order; ``usage`` counts each prompt's tokens once
   and every child's output tokens. A stream merges the children's steps as they arrive,
   each chunk with its choice's index; an error in any child ends the stream (error
@@ -48,6 +49,8 @@ from gateway.request_ids import releasing, wire_request_id
 from gateway.responses import DONE_EVENT, ResponseShape, sse_event, usage
 from gateway.state import GatewayState
 from gateway.tool_parser import ToolCallStream, parse_tool_calls
+from shared.fair_queue import DEFAULT_CLASS, class_rank
+from shared.keys import ANONYMOUS_TENANT
 from shared.protocol import GenerateRequest
 from shared.sampling import SamplingParams
 
@@ -67,12 +70,14 @@ def child_params(params: SamplingParams, choice_index: int) -> SamplingParams:
 
 async def submit(state: GatewayState, request: Request, request_id: str, prompts: Sequence[list[int]],
                  params: Sequence[SamplingParams], n: int, stops: list[str], arrival_s: float, *,
-                 poll_disconnect: bool) -> list[Generation]:
+                 poll_disconnect: bool, priority_class: str = DEFAULT_CLASS,
+                 tenant: str = ANONYMOUS_TENANT) -> list[Generation]:
     """Admit and enqueue the ``len(prompts) * n`` children of one request (``params[p]``
     for prompt ``p``), all or none; returns their ``Generation``s in choice-index order,
     each registered in the relay (which owns it) before the XADD, so no reply can be
     missed. A client's ``X-Request-Id`` travels with a random suffix
-    (``gateway/request_ids.py``); ``Generation.request_id`` is a child's wire id.
+    (``gateway/request_ids.py``); ``Generation.request_id`` is a child's wire id. The
+    children go to the stream of (``priority_class``, ``tenant``).
 
     Raises:
         OpenAIError: 409 duplicate request id, 429 queue full (counting every child),
@@ -92,6 +97,8 @@ async def submit(state: GatewayState, request: Request, request_id: str, prompts
     tok = state.tokenizer
     now_unix_s = time.time()
     deadline_unix_s = now_unix_s + (deadline_s - time.monotonic())
+    rank = class_rank(priority_class)
+    stream = state.queue.stream(priority_class, tenant)
     gens, messages = [], []
     for k, child_id in enumerate(child_ids):
         prompt_ids, sampling = prompts[k // n], child_params(params[k // n], k % n)
@@ -100,10 +107,12 @@ async def submit(state: GatewayState, request: Request, request_id: str, prompts
                                on_close=on_close, is_disconnected=request.is_disconnected if poll_disconnect else None))
         messages.append(GenerateRequest(
             request_id=child_id, model=state.served_model_name, prompt_token_ids=prompt_ids, sampling=sampling,
-            reply_channel=state.relay.channel, deadline_unix_s=deadline_unix_s, attempt=0, created_unix_s=now_unix_s))
+            reply_channel=state.relay.channel, deadline_unix_s=deadline_unix_s, attempt=0, created_unix_s=now_unix_s,
+            priority=rank))
     _register(state, gens)
     try:
-        entry_ids = await state.enqueuer.enqueue(messages, id_key, wire_id, math.ceil(state.settings.request_timeout_s))
+        entry_ids = await state.enqueuer.enqueue(stream, messages, id_key, wire_id,
+                                                 math.ceil(state.settings.request_timeout_s))
     except BaseException:
         for gen in gens:
             state.relay.unregister(gen.request_id)
@@ -111,7 +120,7 @@ async def submit(state: GatewayState, request: Request, request_id: str, prompts
     state.metrics.prompt_tokens.labels(state.served_model_name).inc(sum(len(p) for p in prompts))
     state.metrics.requests_in_flight.labels(state.served_model_name).inc(num_children)
     for gen, message, entry_id in zip(gens, messages, entry_ids, strict=True):
-        gen.submitted(message, entry_id)
+        gen.submitted(message, entry_id, stream)
     return gens
 
 

@@ -3,12 +3,13 @@ request dies, the gateway re-enqueues a continuation and the client never notice
 
 Every ``CHECK_INTERVAL_S`` the monitor finds the owner of each in-flight request (the
 worker named in its last token batch, or the consumer holding its stream entry in
-the group's pending entries list) and checks the owner's heartbeat key. When the key
+the group's pending entries list of the request's stream) and checks the owner's heartbeat key. When the key
 is gone (TTL ``HEARTBEAT_TTL_S`` after a SIGKILL, at once after a drain that timed
 out) or reports the engine stalled (one step running past the worker's
-``engine_stall_timeout_s``, ``shared/liveness.py``), one MULTI/EXEC replaces the old entry with a continuation: XACK + XDEL the old
-entry, XADD a ``GenerateRequest`` with ``attempt + 1`` and ``output_token_ids`` = the
-tokens the client already has. Greedy output then equals an undisturbed run: the new
+``engine_stall_timeout_s``, ``shared/liveness.py``), one enqueue script
+(``shared/fair_queue.py``) replaces the old entry with a continuation on the same
+(class, tenant) stream: XACK + XDEL the old entry, XADD a ``GenerateRequest`` with
+``attempt + 1`` and ``output_token_ids`` = the tokens the client already has. Greedy output then equals an undisturbed run: the new
 worker recomputes the KV of prompt + delivered tokens and continues, numbering its
 tokens from ``len(output_token_ids)``; the request's ``Generation`` (the relay's record,
 ``Relay.requests``) drops late entries of the old attempt.
@@ -23,10 +24,9 @@ from typing import TYPE_CHECKING
 import msgspec
 import redis.exceptions
 
-from shared import protocol
-from shared.keys import CONSUMER_GROUP, STREAM_FIELD
+from shared.keys import CONSUMER_GROUP
 from shared.liveness import live_workers
-from shared.streams import add_finish, as_text
+from shared.streams import as_text
 
 if TYPE_CHECKING:
     from gateway.generation import Generation
@@ -46,7 +46,8 @@ async def find_owners(state: GatewayState, gens: list[Generation]) -> dict[str, 
     if unknown:
         async with state.redis.pipeline(transaction=False) as pipe:
             for g in unknown:
-                pipe.xpending_range(state.stream, CONSUMER_GROUP, min=g.entry_id, max=g.entry_id, count=1)
+                pipe.xpending_range(g.stream or state.stream, CONSUMER_GROUP, min=g.entry_id, max=g.entry_id,
+                                    count=1)
             replies = await pipe.execute(raise_on_error=False)
         for g, reply in zip(unknown, replies, strict=True):
             if isinstance(reply, list) and reply:
@@ -66,10 +67,9 @@ async def reenqueue(state: GatewayState, gen: Generation) -> None:
     assert old is not None and gen.entry_id is not None
     cont = msgspec.structs.replace(old, attempt=old.attempt + 1, output_token_ids=list(gen.output_ids))
     gen.attempt = cont.attempt  # from now on, entries of the replaced attempt are dropped
-    async with state.redis.pipeline(transaction=True) as pipe:
-        add_finish(pipe, state.stream, gen.entry_id)
-        pipe.xadd(state.stream, {STREAM_FIELD: protocol.encode(cont)})
-        entry_id = (await pipe.execute())[-1]  # the XADD's reply
+    ids = await state.queue.enqueue(gen.stream or state.stream, [cont], finish_entry_id=gen.entry_id)
+    assert ids is not None  # None only with a request-id key
+    entry_id = ids[0]
     log.warning("failover of %s from %s after %d tokens (attempt %d)", gen.request_id, gen.worker_id,
                 len(gen.output_ids), cont.attempt)
     gen.resubmitted(cont, entry_id)

@@ -63,9 +63,10 @@ class Generation:
         self.finish_reason: str | None = None
         self.stop_string: str | None = None
         self.error: OpenAIError | None = None
-        # For failover: the queued request, its stream entry, the worker that runs it
+        # For failover: the queued request, its stream and entry, the worker that runs it
         # (from its last token batch) and the output token ids received so far.
         self.message: GenerateRequest | None = None
+        self.stream = ""
         self.entry_id: bytes | None = None
         self.worker_id: str | None = None
         self.output_ids: list[int] = []
@@ -81,9 +82,9 @@ class Generation:
         self._closed = False
 
     # -- the queue side -------------------------------------------------------------
-    def submitted(self, message: GenerateRequest, entry_id: bytes) -> None:
-        """Record the queued request and its stream entry id; the deadline starts to count."""
-        self.message, self.entry_id = message, entry_id
+    def submitted(self, message: GenerateRequest, entry_id: bytes, stream: str = "") -> None:
+        """Record the queued request, its stream and entry id; the deadline starts to count."""
+        self.message, self.entry_id, self.stream = message, entry_id, stream
         if self._deadline is None and not self._closed:
             delay_s = max(0.0, self.deadline_s - time.monotonic())
             self._deadline = asyncio.get_running_loop().call_later(delay_s, self._expire)

@@ -5,7 +5,7 @@ Order of checks, cheap before expensive: auth (401), body size (413), body (400:
 list limits, ``n`` and the number of prompts, tool fields, at most one structured-output
 constraint), model (404), X-Request-Id (400), prompt characters (400, before
 tokenizing), tokenizing (503 past its time budget), prompt tokens (400), the structured output's grammar (400, on the encode pool:
-gateway/structured.py), sampling parameters (400), the tenant's rate limits (429
+gateway/structured.py), sampling parameters (400), the priority class (400: gateway/priority.py), the tenant's rate limits (429
 ``rate_limit_exceeded``: gateway/rate_limits.py), then for all the request's child
 requests at once (gateway/choices.py): relay subscribed (503), queue depth (429/503),
 XADD (503). docs/operations.md, "Limits", lists every limit.
@@ -25,6 +25,7 @@ from fastapi.responses import Response
 from gateway.choices import Choice, ChoicesStream, full_response, stream_events, submit
 from gateway.errors import OpenAIError
 from gateway.logprobs import LogprobsFormatter
+from gateway.priority import request_class
 from gateway.rate_limits import RATE_LIMIT_CODE
 from gateway.responses import ResponseShape
 from gateway.schemas import (
@@ -35,7 +36,7 @@ from gateway.schemas import (
     parse_body,
 )
 from gateway.state import GatewayState
-from gateway.tenants import bearer_token
+from gateway.tenants import bearer_token, tenant_of
 from gateway.tokenize import check_prompt_tokens
 from gateway.tool_formats import tool_format_for_template
 from gateway.tool_parser import ToolCallStream
@@ -112,6 +113,7 @@ async def handle_generate(state: GatewayState, request: Request, *, chat: bool) 
     child request per prompt and choice (gateway/choices.py)."""
     arrival_s = time.monotonic()
     rate_headers: dict[str, str] = {}  # x-ratelimit-* once the tenant's limits admitted the request
+    queue_labels: tuple[str, str] | None = None  # (class, tenant label) once the class is known
     try:
         check_auth(state, request)
         body = await read_body(request, state.settings.max_body_bytes)
@@ -145,16 +147,23 @@ async def handle_generate(state: GatewayState, request: Request, *, chat: bool) 
         params = [req.sampling_params(m, vocab_size=state.tokenizer.vocab_size, structured=structured)
                   for m in max_tokens]
         n = req.num_choices
+        priority_class = request_class(request, req.priority)
+        tenant = tenant_of(request, req.user, state.settings)
+        queue_labels = (priority_class, state.metrics.tenant_label(tenant))
         # Every child reserves its prompt and max_tokens (docs/operations.md, "Rate limits and tenants").
         rate_headers = await state.rate_limiter.admit(
             request, req.user, n * sum(len(p) + m for p, m in zip(prompts, max_tokens, strict=True)))
         gens = await submit(state, request, request_id, prompts, params, n, req.stop_strings, arrival_s,
-                            poll_disconnect=not req.stream)
+                            poll_disconnect=not req.stream, priority_class=priority_class, tenant=tenant)
     except OpenAIError as exc:
         state.metrics.rejected("rate_limited" if exc.code == RATE_LIMIT_CODE
                                else _REJECT_REASONS.get(exc.status, str(exc.status)))
+        if queue_labels is not None:
+            state.metrics.class_rejected.labels(state.served_model_name, *queue_labels).inc()
         exc.headers = {**rate_headers, **exc.headers}
         return exc.response()
+    assert queue_labels is not None  # set before submit, which admitted the request
+    state.metrics.class_admitted.labels(state.served_model_name, *queue_labels).inc()
     created_unix_s = int(time.time())
     num_top = params[0].logprobs
     choices = [Choice(gen, ResponseShape(request_id, state.served_model_name, created_unix_s, chat, index=k),

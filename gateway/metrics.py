@@ -5,7 +5,13 @@ live in one process.
 Request metrics (latencies, tokens, outcomes) are recorded by the gateway that served
 the request, so summing over gateways is right. The queue gauges describe the shared
 Redis stream, which every gateway of a model sees alike: aggregate them with ``max``,
-not ``sum``. ``exported_names()`` lists every family (the compose test checks the
+not ``sum``. Per-class and per-tenant series (docs/operations.md, "Priority classes
+and fair share"): ``priority_class`` has three values; ``tenant`` labels are capped at
+``MAX_TENANT_LABELS`` values per gateway (the first tenants seen; later ones count as
+``other``), and the per-tenant queue gauges show only the ``MAX_TENANT_LABELS`` tenants
+with the most waiting requests per class, the rest summed under ``other``, so a
+deployment with thousands of API keys does not make thousands of series.
+``exported_names()`` lists every family (the compose test checks the
 Grafana dashboard against it).
 """
 
@@ -17,6 +23,11 @@ _LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
                       10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 _TOKEN_GAP_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                         1.0, 2.5, 5.0)
+
+
+#: Most distinct ``tenant`` label values per gateway (the rest are ``OTHER_TENANT``).
+MAX_TENANT_LABELS = 20
+OTHER_TENANT = "other"
 
 
 class GatewayMetrics:
@@ -60,6 +71,24 @@ class GatewayMetrics:
         self.num_redelivered_entries = Gauge("inferq:num_redelivered_entries",
                                              "Pending entries delivered more than once (reclaimed from a dead worker)",
                                              labels, registry=r)
+        self.class_queue_depth = Gauge("inferq:class_queue_depth", "Requests waiting, per priority class",
+                                       labels + ["priority_class"], registry=r)
+        self.class_oldest_wait = Gauge("inferq:class_oldest_wait_seconds",
+                                       "Wait of the oldest waiting request per priority class, s (0: none waits)",
+                                       labels + ["priority_class"], registry=r)
+        self.tenant_queue_depth = Gauge("inferq:tenant_queue_depth",
+                                        "Requests waiting per class and tenant (top tenants, rest as other)",
+                                        labels + ["priority_class", "tenant"], registry=r)
+        self.tenant_oldest_wait = Gauge("inferq:tenant_oldest_wait_seconds",
+                                        "Wait of a tenant's oldest waiting request per class, s (top tenants)",
+                                        labels + ["priority_class", "tenant"], registry=r)
+        self.class_admitted = Counter("inferq:class_admitted", "Requests enqueued, per priority class and tenant",
+                                      labels + ["priority_class", "tenant"], registry=r)
+        self.class_rejected = Counter("inferq:class_rejected",
+                                      "Requests refused after their class was known (rate limit, queue full, ...), "
+                                      "per priority class and tenant", labels + ["priority_class", "tenant"],
+                                      registry=r)
+        self._tenant_labels: set[str] = set()
         self.queue_metrics_errors = Counter("inferq:queue_metrics_errors",
                                             "Failed refreshes of the queue gauges (Redis unreachable)",
                                             labels, registry=r)
@@ -85,6 +114,41 @@ class GatewayMetrics:
         self.queue_depth.labels(name).set(depth)
         self.num_pending_entries.labels(name).set(pending)
         self.num_redelivered_entries.labels(name).set(redelivered)
+
+    def tenant_label(self, tenant: str) -> str:
+        """``tenant`` as a label value: itself for the first ``MAX_TENANT_LABELS`` tenants
+        this gateway counts, ``OTHER_TENANT`` for the rest."""
+        if tenant in self._tenant_labels:
+            return tenant
+        if len(self._tenant_labels) < MAX_TENANT_LABELS:
+            self._tenant_labels.add(tenant)
+            return tenant
+        return OTHER_TENANT
+
+    def set_classes(self, by_class: dict[str, tuple[int, float]],
+                    by_tenant: dict[tuple[str, str], tuple[int, float]]) -> None:
+        """Set the per-class gauges (``class -> (waiting, oldest wait s)``) and the
+        per-tenant ones (``(class, tenant) -> (waiting, oldest wait s)``): per class, the
+        ``MAX_TENANT_LABELS`` tenants with most waiting, the rest summed as ``other``
+        (its wait: the longest among them). Series of tenants no longer shown go away."""
+        name = self.model_name
+        for priority_class, (waiting, oldest_s) in by_class.items():
+            self.class_queue_depth.labels(name, priority_class).set(waiting)
+            self.class_oldest_wait.labels(name, priority_class).set(oldest_s)
+        self.tenant_queue_depth.clear()
+        self.tenant_oldest_wait.clear()
+        shown: dict[tuple[str, str], tuple[int, float]] = {}
+        for priority_class in by_class:
+            tenants = sorted(((t, v) for (c, t), v in by_tenant.items() if c == priority_class),
+                             key=lambda item: -item[1][0])
+            for tenant, value in tenants[:MAX_TENANT_LABELS]:
+                shown[(priority_class, tenant)] = value
+            rest = [v for _, v in tenants[MAX_TENANT_LABELS:]]
+            if rest:
+                shown[(priority_class, OTHER_TENANT)] = (sum(w for w, _ in rest), max(o for _, o in rest))
+        for (priority_class, tenant), (waiting, oldest_s) in shown.items():
+            self.tenant_queue_depth.labels(name, priority_class, tenant).set(waiting)
+            self.tenant_oldest_wait.labels(name, priority_class, tenant).set(oldest_s)
 
     def render(self) -> bytes:
         """The registry in Prometheus text exposition format."""

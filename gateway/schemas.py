@@ -89,6 +89,7 @@ class _SamplingFields(StructuredFields):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
     user: str | None = None  # names the tenant with --tenant-source user (gateway/tenants.py)
+    priority: int | None = None  # vLLM's field: <0 interactive, 0 default, >0 batch (gateway/priority.py)
 
     @property
     def stop_strings(self) -> list[str]:

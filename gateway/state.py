@@ -16,6 +16,7 @@ from gateway.relay import Relay
 from gateway.tasks import BackgroundTasks
 from gateway.tokenize import TokenizerWorker
 from shared import protocol
+from shared.fair_queue import FairQueue
 from shared.keys import Keys
 from shared.protocol import AbortMessage
 from shared.settings import GatewaySettings, ModelSettings
@@ -42,7 +43,9 @@ class GatewayState:
     tokenizer: TokenizerWorker
     metrics: GatewayMetrics
     tasks: BackgroundTasks
-    #: The stream's queue depth for admission (one Redis read shared by concurrent requests).
+    #: The model's classes and tenants in Redis (``shared/fair_queue.py``).
+    queue: FairQueue
+    #: The model's queue depth for admission (one Redis read shared by concurrent requests).
     queue_depth: QueueDepthReader
     #: Puts accepted requests on the stream (XADDs of lone requests group-committed).
     enqueuer: Enqueuer
@@ -55,7 +58,7 @@ class GatewayState:
 
     @property
     def stream(self) -> str:
-        """The model's request stream."""
+        """The model's base request stream (class ``default``, tenant ``anonymous``)."""
         return self.keys.requests_stream(self.served_model_name)
 
     def publish_abort(self, request_ids: list[str], reason: str) -> None:

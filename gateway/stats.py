@@ -53,19 +53,37 @@ class WorkerStats:
 
 @dataclass(frozen=True, slots=True)
 class StreamStats:
-    """One model's request stream. ``num_waiting``: requests no worker has taken yet (the
+    """One request stream of a model: one priority class and tenant
+    (``shared/fair_queue.py``). ``num_waiting``: requests no worker has taken yet (the
     queue depth); ``num_pending``: taken, not finished (running); ``oldest_waiting_age_s``:
     seconds the oldest waiting request has waited (None: none waits); ``num_redelivered``:
     pending entries delivered more than once, among the first ``MAX_SCANNED_PENDING``;
-    ``num_dead_consumers``: consumers without a live heartbeat."""
+    ``num_dead_consumers``: consumers without a live heartbeat. ``virtual_tokens``: the
+    tenant's virtual token counter in its class (None: nothing of it waits)."""
 
     model: str
+    priority_class: str
+    tenant: str
     num_waiting: int
     num_pending: int
     oldest_waiting_age_s: float | None
     num_redelivered: int
     num_consumers: int
     num_dead_consumers: int
+    virtual_tokens: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class ClassStats:
+    """One priority class of a model, summed over its tenants' streams (``num_tenants``:
+    streams holding entries); ``oldest_waiting_age_s``: the longest wait (None: none)."""
+
+    model: str
+    priority_class: str
+    num_waiting: int
+    num_pending: int
+    oldest_waiting_age_s: float | None
+    num_tenants: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +106,7 @@ class Stats:
     taken_unix_s: float
     gateway: GatewayStats
     workers: list[WorkerStats]
+    classes: list[ClassStats]
     streams: list[StreamStats]
     batches: dict[str, int]
 
@@ -115,9 +134,14 @@ def build_stats(state: GatewayState, snap: QueueSnapshot, batches: dict[str, int
                              num_in_flight=state.relay.num_in_flight,
                              uptime_s=max(0.0, now - state.created_unix_s)),
         workers=[_worker(w, now) for w in snap.workers],
-        streams=[StreamStats(model=s.model, num_waiting=s.num_waiting, num_pending=s.num_pending,
+        classes=[ClassStats(model=c.model, priority_class=c.priority_class, num_waiting=c.num_waiting,
+                            num_pending=c.num_pending, oldest_waiting_age_s=c.oldest_waiting_age_s,
+                            num_tenants=c.num_tenants) for c in snap.classes],
+        streams=[StreamStats(model=s.model, priority_class=s.priority_class, tenant=s.tenant,
+                             num_waiting=s.num_waiting, num_pending=s.num_pending,
                              oldest_waiting_age_s=s.oldest_waiting_age_s, num_redelivered=s.num_redelivered,
-                             num_consumers=len(s.consumers), num_dead_consumers=len(s.dead_consumers))
+                             num_consumers=len(s.consumers), num_dead_consumers=len(s.dead_consumers),
+                             virtual_tokens=s.virtual_tokens)
                  for s in snap.streams],
         batches=batches)
 

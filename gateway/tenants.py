@@ -19,10 +19,11 @@ import hashlib
 
 from starlette.requests import Request
 
+from shared.keys import ANONYMOUS_TENANT
 from shared.settings import GatewaySettings
 
 #: The tenant of a request without a bearer token (under ``api_key``, or as the fallback).
-ANONYMOUS = "anonymous"
+ANONYMOUS = ANONYMOUS_TENANT
 #: Hex characters of the SHA-256 digest that name a key (64 bits: no collisions among
 #: any realistic number of keys, and short in keys and logs).
 NUM_HASH_CHARS = 16

@@ -15,11 +15,12 @@ from __future__ import annotations
 import torch
 
 from kernels import cpu_extension
+from kernels.paged_attention import check_sliding_window
 
 
 def decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, token_idx: torch.Tensor,
-                     seq_idx: torch.Tensor, scale: float) -> torch.Tensor:
+                     seq_idx: torch.Tensor, scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """Attention of single query tokens over their sequences' paged K/V, written into
     ``out`` in place (other rows of ``out`` untouched); returns ``out``.
 
@@ -34,13 +35,18 @@ def decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, 
         token_idx, seq_idx: ``[n]`` int32: row of each decode token in ``q``/``out`` and
             the sequence it belongs to.
         scale: softmax scale, usually ``head_dim ** -0.5``.
+        sliding_window: ``None`` or ``w >= 1``: the token at position ``len - 1`` sees
+            keys ``len - w .. len - 1`` only; blocks wholly before them are not read.
 
     Raises:
         RuntimeError: the kernels are not built here (``cpu_extension.available``), or shapes,
             strides or dtypes do not match.
+        ValueError: ``sliding_window`` is not ``None`` or a positive int.
     """
+    check_sliding_window(sliding_window)
     ext = cpu_extension.load()
     if ext is None:
         raise RuntimeError("the CPU kernels are not built on this machine")
-    ext.decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, token_idx, seq_idx, scale)
+    ext.decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, token_idx, seq_idx, scale,
+                         sliding_window or 0)
     return out

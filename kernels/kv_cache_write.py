@@ -1,9 +1,24 @@
 """Write new keys and values into the paged KV cache through the slot mapping
-(vLLM's ``reshape_and_cache``)."""
+(vLLM's ``reshape_and_cache``).
+
+FP8 cache (``float8_e4m3fn``, ``--kv-cache-dtype fp8``): each value is stored as
+``clamp(x / scale, -448, 448)`` rounded to nearest even (448 is e4m3's largest finite
+value), with one per-tensor scale for K and one for V; readers multiply by the same scale
+(``kernels/paged_attention.py``). vLLM's ``reshape_and_cache_flash`` with ``fp8`` does the
+same. See docs/operations.md, "FP8 KV cache".
+"""
 
 from __future__ import annotations
 
 import torch
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn value: stored values are clamped to it
+
+
+def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``clamp(x / scale, ±448)`` as ``float8_e4m3fn`` (any float ``x``, same shape)."""
+    return (x.float() / scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_KV_DTYPE)
 
 
 def check_kv_write_args(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -19,8 +34,9 @@ def check_kv_write_args(key: torch.Tensor, value: torch.Tensor, k_cache: torch.T
         raise ValueError(f"caches must be [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(k_cache.shape)}")
     if k_cache.shape[2:] != key.shape[1:]:
         raise ValueError(f"cache heads/head_dim {tuple(k_cache.shape[2:])} != key {tuple(key.shape[1:])}")
-    if key.dtype != k_cache.dtype or value.dtype != v_cache.dtype:
-        raise ValueError(f"dtype mismatch: key {key.dtype}, cache {k_cache.dtype}")
+    if k_cache.dtype != v_cache.dtype or value.dtype != key.dtype or (
+            key.dtype != k_cache.dtype and k_cache.dtype != FP8_KV_DTYPE):
+        raise ValueError(f"dtype mismatch: key {key.dtype}, cache {k_cache.dtype} (an fp8 cache takes any float)")
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(f"slot_mapping must be [num_tokens], got {tuple(slot_mapping.shape)}")
     if slot_mapping.dtype not in (torch.int32, torch.int64):
@@ -28,18 +44,25 @@ def check_kv_write_args(key: torch.Tensor, value: torch.Tensor, k_cache: torch.T
 
 
 def kv_cache_write_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, slot_mapping: torch.Tensor, has_padding: bool = True) -> None:
+                       v_cache: torch.Tensor, slot_mapping: torch.Tensor, has_padding: bool = True,
+                       k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """PyTorch reference: ``cache.view(-1, H, D)[slot] = key`` for every slot >= 0.
 
     Args:
-        key, value: ``[num_tokens, num_kv_heads, head_dim]``, the cache's dtype.
-        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, written in place.
+        key, value: ``[num_tokens, num_kv_heads, head_dim]``, the cache's dtype (any float
+            dtype for an fp8 cache).
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, written in
+            place; the model's dtype or ``float8_e4m3fn`` (quantized, see the module docstring).
         slot_mapping: ``[num_tokens]`` int32/int64; slot ``-1`` marks a padding token
             (CUDA-graph padding) that is not written.
         has_padding: ``False`` when the caller knows every slot is >= 0 (skips a check
             that costs a reduction per layer on CPU).
+        k_scale, v_scale: the fp8 cache's per-tensor scales (ignored for other dtypes).
     """
     check_kv_write_args(key, value, k_cache, v_cache, slot_mapping)
+    if k_cache.dtype == FP8_KV_DTYPE:  # CPU has no fp8 index_copy_: copy the bytes
+        key, value = quantize_fp8(key, k_scale).view(torch.uint8), quantize_fp8(value, v_scale).view(torch.uint8)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     slots = slot_mapping.long()
     if has_padding:
@@ -67,7 +90,8 @@ if triton is not None:
         key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
         stride_kt, stride_kh, stride_vt, stride_vh,
         stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-        NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        k_scale, v_scale,
+        FP8: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     ):
         tok = tl.program_id(0)
         slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
@@ -82,13 +106,18 @@ if triton is not None:
         t64 = tok.to(tl.int64)
         k = tl.load(key_ptr + t64 * stride_kt + h * stride_kh + d, mask=mask)
         v = tl.load(value_ptr + t64 * stride_vt + h * stride_vh + d, mask=mask)
+        if FP8:  # quantize: x / scale clamped to e4m3's range, round to nearest even
+            k = tl.minimum(tl.maximum(k.to(tl.float32) / k_scale, -448.0), 448.0).to(k_cache_ptr.dtype.element_ty)
+            v = tl.minimum(tl.maximum(v.to(tl.float32) / v_scale, -448.0), 448.0).to(v_cache_ptr.dtype.element_ty)
         tl.store(k_cache_ptr + blk * stride_kcb + off * stride_kcs + h * stride_kch + d, k, mask=mask)
         tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vcs + h * stride_vch + d, v, mask=mask)
 
 
 def kv_cache_write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write ``key``/``value`` into the caches at ``slot_mapping`` (slot -1 skipped).
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Write ``key``/``value`` into the caches at ``slot_mapping`` (slot -1 skipped),
+    quantized to fp8 with ``k_scale``/``v_scale`` when the caches are ``float8_e4m3fn``.
 
     Triton on CUDA (one launch, no host sync, CUDA-graph safe); the reference elsewhere.
     Same arguments as ``kv_cache_write_ref``; key and value may be strided views (e.g.
@@ -99,13 +128,14 @@ def kv_cache_write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
     """
     check_kv_write_args(key, value, k_cache, v_cache, slot_mapping)
     if triton is None or not key.is_cuda:
-        kv_cache_write_ref(key, value, k_cache, v_cache, slot_mapping)
+        kv_cache_write_ref(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
         return
-    _kv_cache_write_triton(key, value, k_cache, v_cache, slot_mapping)
+    _kv_cache_write_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def _kv_cache_write_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                           v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                           v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                           k_scale: float, v_scale: float) -> None:
     for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in head_dim, strides {t.stride()}")
@@ -120,6 +150,7 @@ def _kv_cache_write_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torc
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        float(k_scale), float(v_scale), FP8=k_cache.dtype == FP8_KV_DTYPE,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK=block, BLOCK_SIZE=k_cache.shape[1],
         num_warps=4 if block <= 1024 else 8,
     )

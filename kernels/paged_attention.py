@@ -7,6 +7,17 @@ the cache. Attention is causal: the query at absolute position ``p`` sees keys `
 A decode token is the case ``query_len_b == 1``; a prefill chunk with cached context
 (prefix caching, chunked prefill) is ``1 < query_len_b <= seq_lens[b]``.
 
+Sliding-window attention (Mistral, Gemma 3's local layers): with ``sliding_window = w``
+the query at position ``p`` sees only keys ``k`` with ``p - w < k <= p``, i.e. its last
+``w`` positions itself included, as transformers' ``sliding_window_overlay`` defines it
+(``kv_idx > q_idx - sliding_window``). Blocks wholly before a query's window are never
+read, so their block-table entries may point anywhere valid (a freed sequence head).
+
+FP8 cache (``float8_e4m3fn``): entries are ``x / scale`` (``kernels/kv_cache_write.py``);
+both implementations dequantize on load (``entry * k_scale``, ``entry * v_scale``, one
+per-tensor scale each), and with an fp8 cache the reference always reads K/V from the
+cache, never this step's unquantized ``key``/``value``, so that it sees what Triton sees.
+
 Source: the varlen-over-paged-cache formulation of vLLM's ``unified_attention`` and of
 FlashAttention-2's ``flash_attn_varlen_func`` with a block table (Dao, 2023).
 """
@@ -17,6 +28,8 @@ import itertools
 
 import torch
 import torch.nn.functional as F
+
+from kernels.kv_cache_write import FP8_KV_DTYPE
 
 
 def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -35,8 +48,8 @@ def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         raise ValueError(f"head_dim of q ({q.shape[2]}) != cache ({k_cache.shape[3]})")
     if q.shape[1] % k_cache.shape[2] != 0:
         raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {k_cache.shape[2]}")
-    if q.dtype != k_cache.dtype:
-        raise ValueError(f"dtype mismatch: q {q.dtype}, cache {k_cache.dtype}")
+    if k_cache.dtype != v_cache.dtype or (q.dtype != k_cache.dtype and k_cache.dtype != FP8_KV_DTYPE):
+        raise ValueError(f"dtype mismatch: q {q.dtype}, cache {k_cache.dtype} (or an fp8 cache)")
     num_seqs = seq_lens.shape[0]
     if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables must be [num_seqs, max_blocks], got {tuple(block_tables.shape)}")
@@ -47,12 +60,36 @@ def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
             raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
 
 
-def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """Contiguous ``[length, num_kv_heads, head_dim]`` view of one sequence's cache."""
+def check_sliding_window(sliding_window: int | None) -> None:
+    """Raises ``ValueError`` unless ``sliding_window`` is ``None`` or a positive int."""
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
+
+
+def first_key_in_window(pos: int, sliding_window: int | None) -> int:
+    """First key position the query at ``pos`` sees: ``max(0, pos - sliding_window + 1)``."""
+    return 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+
+
+def _select_blocks(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """``cache.index_select(0, blocks)``, an fp8 cache's converted to ``dtype`` and
+    multiplied by ``scale`` (its bytes are selected: CPU has no fp8 ``index_select``)."""
+    if cache.dtype != FP8_KV_DTYPE:
+        return cache.index_select(0, blocks)
+    x = cache.view(torch.uint8).index_select(0, blocks).view(FP8_KV_DTYPE).to(dtype)
+    return x if scale == 1.0 else x.mul_(scale)
+
+
+def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, first_block: int = 0,
+               dtype: torch.dtype | None = None, scale: float = 1.0) -> torch.Tensor:
+    """Contiguous ``[length - first_block * block_size, num_kv_heads, head_dim]`` copy of
+    one sequence's cache from block ``first_block`` on (positions ``first_block *
+    block_size .. length - 1``), an fp8 cache's dequantized to ``dtype``."""
     block_size = cache.shape[1]
     num_blocks = (length + block_size - 1) // block_size
-    blocks = cache.index_select(0, block_table[:num_blocks].long())
-    return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:length]
+    blocks = _select_blocks(cache, block_table[first_block:num_blocks].long(), dtype or cache.dtype, scale)
+    return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:length - first_block * block_size]
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -63,7 +100,9 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         seq_lens_cpu: list[int] | None = None,
                         key: torch.Tensor | None = None,
                         value: torch.Tensor | None = None,
-                        skip_decode: bool = False) -> torch.Tensor:
+                        skip_decode: bool = False,
+                        sliding_window: int | None = None,
+                        k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """PyTorch reference of causal varlen attention over the paged cache (CPU and CUDA).
 
     Also the CPU engine's attention, so it avoids copies: decode tokens are one padded
@@ -72,7 +111,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
     Args:
         q: ``[num_tokens, num_heads, head_dim]``, float32/bfloat16/float16.
-        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, q's dtype.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, q's dtype
+            or ``float8_e4m3fn`` (dequantized with ``k_scale``/``v_scale`` on load).
         block_tables: ``[num_seqs, max_blocks_per_seq]`` int32, physical block ids.
         query_start_loc: ``[num_seqs + 1]`` int32, cumulative query lengths (tokens).
         seq_lens: ``[num_seqs]`` int32, context length of each sequence including its
@@ -86,14 +126,19 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             whose whole context is in this step.
         skip_decode: leave the rows of single-token queries untouched (the CPU backend
             computes them with its kernel).
+        sliding_window: ``None`` (full causal attention) or ``w >= 1``: the query at
+            position ``p`` sees keys ``p - w < k <= p`` only (see the module docstring).
+        k_scale, v_scale: an fp8 cache's per-tensor scales (ignored for other dtypes).
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in q's dtype.
 
     Raises:
-        ValueError: shapes or dtypes do not match (see ``check_attention_args``).
+        ValueError: shapes or dtypes do not match (see ``check_attention_args``), or
+            ``sliding_window`` is not ``None`` or a positive int.
     """
     check_attention_args(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
+    check_sliding_window(sliding_window)
     if out is None:
         out = torch.empty_like(q)
     starts = query_start_loc.tolist()
@@ -101,29 +146,42 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     s_lens = seq_lens_cpu if seq_lens_cpu is not None else seq_lens.tolist()
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     gqa = num_heads != num_kv_heads
+    scales = (k_scale, v_scale)
+    if k_cache.dtype == FP8_KV_DTYPE:
+        key = value = None  # attend to the quantized entries, as the Triton kernel does
 
     decode = [i for i, n in enumerate(q_lens) if n == 1]
     if decode and not skip_decode:
-        _decode_batch(q, k_cache, v_cache, block_tables, starts, s_lens, decode, scale, out)
+        _decode_batch(q, k_cache, v_cache, block_tables, starts, s_lens, decode, scale, out, sliding_window,
+                      scales)
+    block_size = k_cache.shape[1]
     for i, q_len in enumerate(q_lens):
         if q_len <= 1:
             continue
         start, ctx = starts[i], s_lens[i]
+        # Keys before the first query's window are never seen: start at its block.
+        first_block = first_key_in_window(ctx - q_len, sliding_window) // block_size
+        key_lo = first_block * block_size  # absolute position of the first key used
         if ctx == q_len and key is not None and value is not None:
-            k = key[start:start + q_len].transpose(0, 1)  # [kvh, ctx, d]
-            v = value[start:start + q_len].transpose(0, 1)
+            k = key[start + key_lo:start + q_len].transpose(0, 1)  # [kvh, keys, d]
+            v = value[start + key_lo:start + q_len].transpose(0, 1)
         else:
-            k = _gather_kv(k_cache, block_tables[i], ctx).transpose(0, 1)
-            v = _gather_kv(v_cache, block_tables[i], ctx).transpose(0, 1)
+            k = _gather_kv(k_cache, block_tables[i], ctx, first_block, q.dtype, k_scale).transpose(0, 1)
+            v = _gather_kv(v_cache, block_tables[i], ctx, first_block, q.dtype, v_scale).transpose(0, 1)
         # 4-D ([1, heads, len, d]) so that SDPA takes its fused (flash) CPU kernel.
         qi = q[start:start + q_len].transpose(0, 1).unsqueeze(0)
         k, v = k.unsqueeze(0), v.unsqueeze(0)
-        if ctx == q_len:  # no earlier context: plain causal
+        windowed = sliding_window is not None and sliding_window < ctx
+        if ctx == q_len and not windowed:  # no earlier context: plain causal
             o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            # Query j sits at absolute position ctx - q_len + j and sees keys 0..that position.
-            pos_q = torch.arange(ctx - q_len, ctx, device=q.device)
-            mask = pos_q[:, None] >= torch.arange(ctx, device=q.device)[None, :]
+            # Query j sits at absolute position ctx - q_len + j and sees keys 0..that
+            # position (within the window: more than position - sliding_window).
+            pos_q = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
+            pos_k = torch.arange(key_lo, ctx, device=q.device)[None, :]
+            mask = pos_q >= pos_k
+            if windowed:
+                mask &= pos_q - pos_k < sliding_window
             o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[start:start + q_len] = o[0].transpose(0, 1)
     return out
@@ -131,34 +189,55 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_tables: torch.Tensor, starts: list[int], s_lens: list[int],
-                  rows: list[int], scale: float, out: torch.Tensor) -> None:
+                  rows: list[int], scale: float, out: torch.Tensor,
+                  sliding_window: int | None = None, kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
     """Single-token queries of the sequences ``rows`` in one padded SDPA call.
 
     Each sequence's blocks are gathered with one ``index_select`` (whole blocks are
     contiguous rows, about twice as fast as advanced indexing on CPU) into
     ``[B, L, kvh, d]``; SDPA reads the ``[B, kvh, L, d]`` view of it without a copy and
     shares K/V among the query heads of a group (``enable_gqa``); keys past a sequence's
-    length are masked.
+    length are masked. With a sliding window shorter than the longest context, each
+    sequence's gather starts at the block of its first key in the window (row ``b``'s
+    keys then start at absolute position ``first_block_b * block_size``), and keys before
+    the window are masked.
     """
     device = q.device
-    max_len = max(s_lens[i] for i in rows)
+    lens = [s_lens[i] for i in rows]
+    max_len = max(lens)
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    num_blocks = (max_len + block_size - 1) // block_size
     bsz = len(rows)
     every = bsz == len(starts) - 1  # every sequence decodes: no row selection
     if every:
-        tables, qb = block_tables[:, :num_blocks], q
+        tables, qb = block_tables, q
     else:
-        tables = block_tables.index_select(0, torch.tensor(rows, device=device))[:, :num_blocks]
+        tables = block_tables.index_select(0, torch.tensor(rows, device=device))
         token_idx = torch.tensor([starts[i] for i in rows], device=device)
         qb = q.index_select(0, token_idx)
+    if sliding_window is None or sliding_window >= max_len:
+        first_blocks = None
+        num_blocks = (max_len + block_size - 1) // block_size
+        tables = tables[:, :num_blocks]
+    else:
+        first_blocks = [first_key_in_window(n - 1, sliding_window) // block_size for n in lens]
+        num_blocks = max(-(-n // block_size) - b for n, b in zip(lens, first_blocks))
+        cols = torch.tensor(first_blocks, device=device)[:, None] + torch.arange(num_blocks, device=device)
+        # Columns past a row's last block hold padding keys (masked); clamp them in range.
+        tables = tables.gather(1, cols.clamp_(max=tables.shape[1] - 1))
+    num_keys = num_blocks * block_size if first_blocks is not None else max_len
     flat = tables.reshape(-1).long()
     shape = (bsz, num_blocks * block_size, num_kv_heads, head_dim)
-    k = k_cache.index_select(0, flat).view(shape)[:, :max_len].transpose(1, 2)  # [B, kvh, L, d]
-    v = v_cache.index_select(0, flat).view(shape)[:, :max_len].transpose(1, 2)
-    lens = [s_lens[i] for i in rows]
+    k = _select_blocks(k_cache, flat, q.dtype, kv_scales[0])
+    v = _select_blocks(v_cache, flat, q.dtype, kv_scales[1])
+    k = k.view(shape)[:, :num_keys].transpose(1, 2)  # [B, kvh, L, d]
+    v = v.view(shape)[:, :num_keys].transpose(1, 2)
     mask = None
-    if min(lens) < max_len:
+    if first_blocks is not None:
+        # Absolute position of each gathered key; the query sits at len - 1.
+        pos = torch.tensor(first_blocks, device=device)[:, None] * block_size + torch.arange(num_keys, device=device)
+        len_t = torch.tensor(lens, device=device)[:, None]
+        mask = ((pos < len_t) & (pos > len_t - 1 - sliding_window))[:, None, None, :]  # [B, 1, 1, L]
+    elif min(lens) < max_len:
         keep = torch.arange(max_len, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
         mask = keep[:, None, None, :]  # [B, 1, 1, L]
     o = F.scaled_dot_product_attention(qb.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
@@ -210,20 +289,25 @@ if triton is not None:
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
         part_out_ptr, part_m_ptr, part_l_ptr,
         block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-        qk_scale, num_seqs, num_heads,
+        qk_scale, v_scale, num_seqs, num_heads,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         stride_bt_s, stride_bt_b,
         QPK: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
         TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        SEQ_FILTER: tl.constexpr,
+        SEQ_FILTER: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
     ):
         # Program = (q-block of BLOCK_Q tokens x all QPK query heads of one KV head, split).
         # Row m of the tile is token m // QPK, query head kv_head * QPK + m % QPK (GQA
         # packing), so every KV tile is read once for all heads that share it.
         # SEQ_FILTER: 0 = every sequence; 1 = only query_len > 1; 2 = only query_len == 1,
         # one program per sequence (grid dim 0 = num_seqs, BLOCK_Q = 1).
+        # SLIDING_WINDOW: 0 = full causal; w > 0: query q_abs sees keys q_abs - w < key
+        # <= q_abs, and tiles wholly before the q-block's first window are skipped (their
+        # block-table entries are never read).
+        # An fp8 cache is converted to q's dtype on load; its K scale is folded into
+        # qk_scale by the wrapper and v_scale multiplies the accumulator once at the end.
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
         if SEQ_FILTER == 2:
@@ -259,8 +343,13 @@ if triton is not None:
         q_abs = context_len + q_pos  # absolute position: sees keys 0..q_abs (causal)
         num_keys = context_len + tl.minimum((q_block_local + 1) * BLOCK_Q, q_len)
         num_tiles = tl.cdiv(num_keys, TILE)
-        tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-        tile_lo = split * tiles_per_split
+        if SLIDING_WINDOW > 0:  # the q-block's first query sees keys from first_key on
+            first_key = tl.maximum(context_len + q_block_local * BLOCK_Q - SLIDING_WINDOW + 1, 0)
+        else:
+            first_key = tl.full([], 0, tl.int32)
+        first_tile = first_key // TILE
+        tiles_per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
+        tile_lo = first_tile + split * tiles_per_split
         tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -271,25 +360,29 @@ if triton is not None:
         kh_off_v = kv_head.to(tl.int64) * stride_vh
         for t in range(tile_lo, tile_hi):
             key = t * TILE + offs_n
-            key_valid = key < num_keys
+            key_valid = (key < num_keys) & (key >= first_key)
             # Gather: each key's physical block (int64: a cache can exceed 2**31 elements).
             phys = tl.load(bt_row + (key // BLOCK_SIZE) * stride_bt_b, mask=key_valid, other=0).to(tl.int64)
             in_block = (key % BLOCK_SIZE).to(tl.int64)
             kv_mask = key_valid[:, None] & d_valid[None, :]
             k = tl.load(k_cache_ptr + (phys * stride_kb + in_block * stride_ks + kh_off_k)[:, None] + offs_d[None, :],
-                        mask=kv_mask, other=0.0)
+                        mask=kv_mask, other=0.0).to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            s = tl.where((key[None, :] <= q_abs[:, None]) & key_valid[None, :], s, float("-inf"))
+            seen = (key[None, :] <= q_abs[:, None]) & key_valid[None, :]
+            if SLIDING_WINDOW > 0:
+                seen = seen & (key[None, :] > q_abs[:, None] - SLIDING_WINDOW)
+            s = tl.where(seen, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked row
             p = tl.exp2(s - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_cache_ptr + (phys * stride_vb + in_block * stride_vs + kh_off_v)[:, None] + offs_d[None, :],
-                        mask=kv_mask, other=0.0)
+                        mask=kv_mask, other=0.0).to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
+        acc = acc * v_scale  # 1.0 unless the cache is fp8
         if NUM_SPLITS == 1:
             o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -385,7 +478,9 @@ def _num_sms(device: torch.device) -> int:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                    *, max_query_len: int, max_seq_len: int) -> torch.Tensor:
+                    *, max_query_len: int, max_seq_len: int,
+                    sliding_window: int | None = None,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Causal varlen attention over the paged cache: Triton on CUDA, the reference elsewhere.
 
     Same semantics, shapes and dtypes as ``paged_attention_ref``; prefill chunks (with or
@@ -397,27 +492,36 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             which enables split-KV); picks tile sizes only.
         max_seq_len: an upper bound on every ``seq_lens[b]`` (for a captured graph, the
             largest it will see); picks the split count only.
+        sliding_window: ``None`` or ``w >= 1`` (see ``paged_attention_ref``); a
+            compile-time constant of the kernel (one compile per distinct window).
+        k_scale, v_scale: an fp8 cache's per-tensor scales (ignored for other dtypes);
+            runtime arguments, so a captured graph keeps the values it was captured with.
 
     Padding sequences (``query_len 0``, ``seq_len 0``) and rows of ``q`` past
     ``query_start_loc[-1]`` are left unwritten. ``block_tables`` entries past a sequence's
     last block are never read.
 
     Raises:
-        ValueError: shapes, dtypes or strides do not match.
+        ValueError: shapes, dtypes or strides do not match, or a bad ``sliding_window``.
     """
     check_attention_args(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
+    check_sliding_window(sliding_window)
     if out is None:
         out = torch.empty_like(q)
     if triton is None or not q.is_cuda:
-        return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out)
+        return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out,
+                                   sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale)
+    if k_cache.dtype != FP8_KV_DTYPE:
+        k_scale = v_scale = 1.0
     return _paged_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out,
-                                   max_query_len, max_seq_len)
+                                   max_query_len, max_seq_len, sliding_window or 0, k_scale, v_scale)
 
 
 def _paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                             seq_lens: torch.Tensor, scale: float, out: torch.Tensor,
-                            max_query_len: int, max_seq_len: int) -> torch.Tensor:
+                            max_query_len: int, max_seq_len: int, sliding_window: int = 0,
+                            k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     if out.shape != q.shape or out.dtype != q.dtype:
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
     for name, t in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -431,6 +535,8 @@ def _paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if num_tokens == 0 or num_seqs == 0:
         return out
     qpk = num_heads // num_kv_heads
+    if sliding_window:  # a decode token reads at most its window: split that many keys
+        max_seq_len = min(max_seq_len, sliding_window)
     cfg = _attention_config(q.dtype, qpk, num_seqs, num_kv_heads, max_query_len, max_seq_len, _num_sms(q.device))
     splits = cfg["NUM_SPLITS"]
     head_dim_p = max(16, _next_pow2(head_dim))
@@ -447,13 +553,13 @@ def _paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     mixed = max_query_len > 1 and num_seqs > 1
     args = (q, k_cache, v_cache, out, part_out, part_m, part_l,
             block_tables, query_start_loc, seq_lens,
-            scale * _LOG2E, num_seqs, num_heads,
+            scale * k_scale * _LOG2E, float(v_scale), num_seqs, num_heads,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_tables.stride(0), block_tables.stride(1))
     common = {"QPK": qpk, "HEAD_DIM": head_dim, "HEAD_DIM_P": head_dim_p, "BLOCK_SIZE": block_size,
-              "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32"}
+              "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32", "SLIDING_WINDOW": sliding_window}
     grid = (num_tokens // cfg["BLOCK_Q"] + num_seqs, num_kv_heads, splits)
     _paged_attn_kernel[grid](
         *args, **common, BLOCK_M=cfg["BLOCK_M"], BLOCK_Q=cfg["BLOCK_Q"], TILE=cfg["TILE"], NUM_SPLITS=splits,

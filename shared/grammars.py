@@ -9,11 +9,23 @@ expressions and Lark grammars, and computes a token mask in tens of microseconds
 Nothing is enforced loosely: llguidance's ``lenient`` option (ignore keywords it does not
 implement) stays off, so ``uniqueItems``, ``not``, ``if``/``then``, ``contains`` and the
 like are errors that name the keyword, never a grammar weaker than the schema.
+
+JSON outputs (``json_schema``, ``json_object``) also get a digit cap on their numbers
+(``NUMBER_CAP_REGEX``, docs/operations.md, "Structured outputs"). A JSON schema bounds a
+number's value, never its text: ``{"minimum": 0, "maximum": 1}`` still allows
+``0.000...`` forever, and a small model can keep emitting digits until ``max_tokens``
+cuts the JSON open. llguidance has no option for this, and a ``multipleOf`` rewrite
+would lose the negative numbers (llguidance < 1.8 matches ``multipleOf`` without a sign;
+vLLM pins < 1.8). So the worker intersects the schema's grammar with this second, regular
+grammar; where the schema itself needs a longer number the intersection is empty and the
+schema's mask is used alone (worker/structured/bitmask.py), so no schema becomes
+unsatisfiable.
 """
 
 from __future__ import annotations
 
 import json
+from functools import cache
 from typing import Any
 
 import llguidance
@@ -32,6 +44,19 @@ _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "d
 _SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
 _SUBSCHEMAS = ("items", "additionalProperties", "additionalItems", "not", "if", "then", "else", "contains",
                "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+
+#: The digit caps of a number in a JSON output: every 64-bit integer fits (20 digits), and
+#: so do the 17 significant digits that round-trip any float64 (``0.30000000000000004``).
+MAX_NUMBER_INTEGER_DIGITS = 20
+MAX_NUMBER_FRACTION_DIGITS = 20
+MAX_NUMBER_EXPONENT_DIGITS = 3
+_NUMBER = (rf"-?(0|[1-9][0-9]{{0,{MAX_NUMBER_INTEGER_DIGITS - 1}}})(\.[0-9]{{1,{MAX_NUMBER_FRACTION_DIGITS}}})?"
+           rf"([eE][+-]?[0-9]{{1,{MAX_NUMBER_EXPONENT_DIGITS}}})?")
+#: JSON text whose numbers keep the caps above; loose everywhere else (the schema's grammar
+#: is the judge of the rest): strings with any escapes, any character that cannot start a
+#: number, and numbers, each followed by a character that ends a number in JSON (so two
+#: capped numbers cannot join into one long one) or by the end of the text.
+NUMBER_CAP_REGEX = (rf'("([^"\\]|\\(?s:.))*"|[^"0-9\-]|{_NUMBER}[,:}}\]\x20\t\n\r])*({_NUMBER})?')
 
 
 def grammar_for(structured: StructuredOutput, param: str = "response_format") -> str:
@@ -66,6 +91,18 @@ def grammar_for(structured: StructuredOutput, param: str = "response_format") ->
     if kind == "grammar":
         return llguidance.LLMatcher.grammar_from_lark(any_to_lark(spec))
     raise InvalidParameter(param, f"unknown structured output kind {kind!r}")
+
+
+def caps_numbers(structured: StructuredOutput) -> bool:
+    """Whether the output is JSON, whose numbers ``number_cap_grammar`` caps; regexes and
+    grammars are the user's own text, and keep exactly their language."""
+    return structured.kind in ("json_schema", "json_object")
+
+
+@cache
+def number_cap_grammar() -> str:
+    """The llguidance grammar (its JSON form) of ``NUMBER_CAP_REGEX``."""
+    return llguidance.LLMatcher.grammar_from_regex(NUMBER_CAP_REGEX)
 
 
 def check(structured: StructuredOutput, param: str = "response_format") -> None:

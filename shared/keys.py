@@ -5,7 +5,11 @@ deployments can share one Redis. The TTLs that go with some keys live here too.
 
 | name | type | written by | read by |
 | --- | --- | --- | --- |
-| ``{ns}:{model}:requests`` | stream | gateway (XADD) | workers (XREADGROUP, group ``workers``) |
+| ``{ns}:{model}:requests`` | stream: class ``default``, tenant ``anonymous`` | gateway (enqueue script) | workers (pull script: XREADGROUP, group ``workers``) |
+| ``{ns}:{model}:requests:{class}:{tenant}`` | stream: every other (class, tenant) | gateway (enqueue script) | workers (pull script) |
+| ``{ns}:{model}:queues`` | set of the model's stream keys | gateway (enqueue script), workers (base stream) | workers (reap), admission depth, ``inferq queues`` |
+| ``{ns}:{model}:active:{class}`` | sorted set: streams with waiting entries, scored by their tenant's virtual token counter | enqueue script (join), pull script (charge, leave) | pull script, ``inferq queues`` |
+| ``{ns}:{model}:doorbell`` | list (at most ``DOORBELL_MAX_RINGS``) | enqueue script (RPUSH) | idle workers (BLPOP), pull script (DEL when all is taken) |
 | ``{ns}:gateway:{gateway_id}`` | pub/sub channel | workers (token/error messages) | the gateway that owns the requests |
 | ``{ns}:control`` | pub/sub channel | gateways (aborts) | every worker |
 | ``{ns}:worker:{worker_id}`` | string with TTL | worker (heartbeat + status) | gateways, ``inferq queues`` |
@@ -33,6 +37,11 @@ STREAM_FIELD = b"m"
 #: after ``HEARTBEAT_TTL_S`` so a worker killed with SIGKILL disappears within it.
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TTL_S = 5
+#: Tenant of requests without an API key (``gateway/tenants.py``); with the ``default``
+#: class its stream is the model's base stream ``{ns}:{model}:requests``.
+ANONYMOUS_TENANT = "anonymous"
+#: Priority class whose anonymous tenant uses the base stream (``shared/fair_queue.py``).
+BASE_CLASS = "default"
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +53,33 @@ class Keys:
     def requests_stream(self, model: str) -> str:
         """Stream that holds the requests for ``model``."""
         return f"{self.namespace}:{model}:requests"
+
+    def class_stream(self, model: str, priority_class: str, tenant: str) -> str:
+        """Stream of one (priority class, tenant) of ``model`` (``shared/fair_queue.py``):
+        the base stream ``requests_stream(model)`` for class ``default`` and tenant
+        ``anonymous`` (so a deployment without keys or classes keeps one stream), else
+        ``{ns}:{model}:requests:{class}:{tenant}`` (class names hold no ``:``, so the part
+        after the class is the tenant)."""
+        if priority_class == BASE_CLASS and tenant == ANONYMOUS_TENANT:
+            return self.requests_stream(model)
+        return f"{self.requests_stream(model)}:{priority_class}:{tenant}"
+
+    def model_streams(self, model: str) -> str:
+        """Set of every stream key of ``model`` (the base stream and each class_stream used)."""
+        return f"{self.namespace}:{model}:queues"
+
+    def model_streams_pattern(self) -> str:
+        """SCAN pattern that matches every model's ``model_streams`` set."""
+        return f"{self.namespace}:*:queues"
+
+    def active_streams(self, model: str, priority_class: str) -> str:
+        """Sorted set of the class's streams that may hold waiting entries, each scored by
+        its tenant's virtual token counter (``shared/fair_queue.py``)."""
+        return f"{self.namespace}:{model}:active:{priority_class}"
+
+    def doorbell(self, model: str) -> str:
+        """List that idle workers of ``model`` block on (BLPOP): one ring per enqueue."""
+        return f"{self.namespace}:{model}:doorbell"
 
     def gateway_channel(self, gateway_id: str) -> str:
         """Pub/sub channel on which one gateway receives token and error messages."""

@@ -42,6 +42,12 @@ class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True):
     the output tokens the client already has: the worker resumes after them, counts
     them against ``max_tokens``, and numbers its tokens from ``len(output_token_ids)``,
     so ``first_index`` always counts from the start of the request's output.
+
+    ``priority`` is the request's class rank, lower served first as in vLLM's
+    ``priority`` (0 interactive, 1 default, 2 batch; docs/operations.md, "Priority
+    classes"): the engine admits waiting requests in (priority, arrival) order and
+    preempts running ones of a strictly higher number to fit a lower one. Defaults to
+    0, so an entry from a build without it decodes unchanged.
     """
 
     request_id: str
@@ -53,6 +59,7 @@ class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True):
     attempt: int = 0
     created_unix_s: float = 0.0
     output_token_ids: list[int] = []
+    priority: int = 0
     v: int = PROTOCOL_VERSION
 
 

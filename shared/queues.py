@@ -1,8 +1,11 @@
 """Queue inspection for operators (``inferq queues``): what sits on each model's request
-stream, who holds it, and which workers are alive.
+streams, per priority class and tenant (``shared/fair_queue.py``), who holds it, and
+which workers are alive.
 
-``snapshot`` reads, per stream ``{ns}:{model}:requests`` (found by SCAN unless models
-are named): XLEN, XINFO GROUPS (group ``workers``), XINFO CONSUMERS, the first pending
+``snapshot`` finds the models (by SCAN of ``{ns}:*:requests`` streams and
+``{ns}:*:queues`` sets unless models are named) and reads, per stream of a model (its
+base stream, and every (class, tenant) stream listed in ``{ns}:{model}:queues`` that
+holds entries; empty ones are left out): XLEN, XINFO GROUPS (group ``workers``), XINFO CONSUMERS, the first pending
 entries (XPENDING with a range) with their delivery counts, and every heartbeat key
 ``{ns}:worker:*`` decoded as a ``WorkerStatus``, judged alive or not by
 ``shared.liveness.is_alive``, and the age of the oldest waiting entry (the first entry
@@ -12,13 +15,15 @@ reported dead: its pending entries wait for a worker's reaper (XPENDING + XCLAIM
 gateway's failover.
 
 Read-only: nothing here writes to Redis. The reads are not one atomic view (Redis
-moves on between commands), which is fine for an operator's snapshot.
+moves on between commands), which is fine for an operator's snapshot. ``classes``
+sums the streams per (model, class): waiting, pending, oldest wait, tenants.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
@@ -27,6 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from shared import liveness, protocol
+from shared.fair_queue import PRIORITY_CLASSES, stream_class_tenant
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.protocol import WorkerStatus
 from shared.streams import MAX_SCANNED_PENDING, PendingEntry, as_text, num_waiting, pending_entries
@@ -46,7 +52,8 @@ class ConsumerInfo(msgspec.Struct, kw_only=True):
 
 
 class StreamInfo(msgspec.Struct, kw_only=True):
-    """One model's request stream and its ``workers`` consumer group.
+    """One request stream of a model (one priority class and tenant) and its ``workers``
+    consumer group.
 
     ``num_waiting`` = entries not yet delivered to a worker: XLEN - pending, exact because
     workers XDEL every entry they XACK (``streams.num_waiting``, as the gateway's admission).
@@ -55,10 +62,15 @@ class StreamInfo(msgspec.Struct, kw_only=True):
     ``num_pending_scanned`` first ones; ``pending`` lists the first few of them.
     ``oldest_waiting_age_s``: now minus the XADD time of the oldest entry no worker has
     taken (None: none waits); an entry put back by failover counts from its new XADD.
+    ``virtual_tokens``: the tenant's virtual token counter in its class (None: not in
+    the class's active set, i.e. nothing of it waited at the last pull or enqueue).
     """
 
     model: str
     stream: str
+    priority_class: str = "default"
+    tenant: str = "anonymous"
+    virtual_tokens: float | None = None
     length: int
     has_group: bool
     num_pending: int = 0
@@ -72,6 +84,19 @@ class StreamInfo(msgspec.Struct, kw_only=True):
     num_redelivered: int = 0
     oldest_waiting_age_s: float | None = None
     pending: list[PendingEntry] = msgspec.field(default_factory=list)
+
+
+class ClassInfo(msgspec.Struct, kw_only=True):
+    """One priority class of a model, summed over its tenants' streams. ``num_tenants``:
+    streams of the class holding entries (waiting or running); ``oldest_waiting_age_s``:
+    the longest wait among them (None: none waits)."""
+
+    model: str
+    priority_class: str
+    num_waiting: int
+    num_pending: int
+    oldest_waiting_age_s: float | None
+    num_tenants: int
 
 
 class WorkerInfo(msgspec.Struct, kw_only=True):
@@ -92,12 +117,45 @@ class QueueSnapshot(msgspec.Struct, kw_only=True):
     taken_unix_s: float
     streams: list[StreamInfo]
     workers: list[WorkerInfo]
+    classes: list[ClassInfo] = msgspec.field(default_factory=list)
 
 
-async def _stream_names(client: aioredis.Redis, keys: Keys) -> list[str]:
-    pattern = keys.requests_stream("*")
-    names = {as_text(k) async for k in client.scan_iter(match=pattern, _type="stream")}
+async def _model_names(client: aioredis.Redis, keys: Keys) -> list[str]:
+    base_prefix, base_suffix = keys.requests_stream("\0").split("\0")
+    set_prefix, set_suffix = keys.model_streams("\0").split("\0")
+    names = {as_text(k)[len(base_prefix):-len(base_suffix)]
+             async for k in client.scan_iter(match=keys.requests_stream("*"), _type="stream")}
+    names |= {as_text(k)[len(set_prefix):-len(set_suffix)]
+              async for k in client.scan_iter(match=keys.model_streams_pattern(), _type="set")}
     return sorted(names)
+
+
+async def _model_streams(client: aioredis.Redis, keys: Keys, model: str) -> list[str]:
+    """The base stream, then the model's other streams that hold entries, sorted."""
+    base = keys.requests_stream(model)
+    others = sorted({as_text(m) for m in await client.smembers(keys.model_streams(model))} - {base})
+    if others:
+        async with client.pipeline(transaction=False) as pipe:
+            for name in others:
+                pipe.xlen(name)
+            lengths = await pipe.execute()
+        others = [name for name, length in zip(others, lengths, strict=True) if int(length)]
+    return [base, *others]
+
+
+def _classes(streams: list[StreamInfo]) -> list[ClassInfo]:
+    out: dict[tuple[str, str], ClassInfo] = {}
+    for s in streams:
+        c = out.setdefault((s.model, s.priority_class), ClassInfo(
+            model=s.model, priority_class=s.priority_class, num_waiting=0, num_pending=0,
+            oldest_waiting_age_s=None, num_tenants=0))
+        c.num_waiting += s.num_waiting
+        c.num_pending += s.num_pending
+        c.num_tenants += s.length > 0
+        if s.oldest_waiting_age_s is not None:
+            c.oldest_waiting_age_s = max(c.oldest_waiting_age_s or 0.0, s.oldest_waiting_age_s)
+    rank = {name: i for i, name in enumerate(PRIORITY_CLASSES)}
+    return sorted(out.values(), key=lambda c: (c.model, rank.get(c.priority_class, len(rank))))
 
 
 async def _workers(client: aioredis.Redis, keys: Keys, now_unix_s: float) -> list[WorkerInfo]:
@@ -142,9 +200,13 @@ async def _oldest_waiting_age_s(client: aioredis.Redis, stream: str, after_id: s
     return entry_age_s(as_text(first[0][0]), now_unix_s) if first else None
 
 
-async def _stream(client: aioredis.Redis, keys: Keys, stream: str, live: set[str],
+async def _stream(client: aioredis.Redis, keys: Keys, model: str, stream: str, live: set[str],
                   pending_limit: int, now_unix_s: float) -> StreamInfo:
-    model = stream[len(keys.namespace) + 1:-len(":requests")]
+    priority_class, tenant = stream_class_tenant(keys, model, stream)
+    named: dict[str, Any] = {"model": model, "stream": stream, "priority_class": priority_class, "tenant": tenant}
+    if priority_class in PRIORITY_CLASSES:
+        score = await client.zscore(keys.active_streams(model, priority_class), stream)
+        named["virtual_tokens"] = None if score is None else float(score)
     length = int(await client.xlen(stream))
     try:
         groups = await client.xinfo_groups(stream)
@@ -152,7 +214,7 @@ async def _stream(client: aioredis.Redis, keys: Keys, stream: str, live: set[str
         groups = []
     group = next((g for g in groups if as_text(g["name"]) == CONSUMER_GROUP), None)
     if group is None:
-        return StreamInfo(model=model, stream=stream, length=length, has_group=False, num_waiting=length,
+        return StreamInfo(**named, length=length, has_group=False, num_waiting=length,
                           oldest_waiting_age_s=await _oldest_waiting_age_s(client, stream, None, now_unix_s))
     raw_consumers = await client.xinfo_consumers(stream, CONSUMER_GROUP)
     consumers = [ConsumerInfo(name=as_text(c["name"]), num_pending=int(c["pending"]), idle_ms=int(c["idle"]),
@@ -164,7 +226,7 @@ async def _stream(client: aioredis.Redis, keys: Keys, stream: str, live: set[str
     waiting = num_waiting(length, num_pending)
     oldest_s = await _oldest_waiting_age_s(client, stream, last_delivered_id, now_unix_s) if waiting else None
     return StreamInfo(
-        model=model, stream=stream, length=length, has_group=True, num_pending=num_pending,
+        **named, length=length, has_group=True, num_pending=num_pending,
         num_waiting=waiting, last_delivered_id=last_delivered_id, oldest_waiting_age_s=oldest_s,
         entries_read=None if entries_read is None else int(entries_read), lag=None if lag is None else int(lag),
         consumers=consumers, dead_consumers=[c.name for c in consumers if not c.alive],
@@ -176,8 +238,8 @@ async def snapshot(client: aioredis.Redis, keys: Keys, models: list[str] | None 
                    pending_limit: int = MAX_SCANNED_PENDING, now_unix_s: float | None = None) -> QueueSnapshot:
     """Read the state of the request streams and the workers.
 
-    ``models``: the models whose streams to read (a missing stream reads as empty);
-    None finds every ``{ns}:*:requests`` stream by SCAN. ``pending_limit``: pending
+    ``models``: the models whose streams to read (a missing base stream reads as empty);
+    None finds every model by SCAN (module docstring). ``pending_limit``: pending
     entries fetched per stream to count redeliveries. ``now_unix_s`` (default: now)
     is the clock heartbeat ages are measured against.
 
@@ -187,9 +249,12 @@ async def snapshot(client: aioredis.Redis, keys: Keys, models: list[str] | None 
     now = time.time() if now_unix_s is None else now_unix_s
     workers = await _workers(client, keys, now)
     live = _live_ids(workers, keys)
-    names = [keys.requests_stream(m) for m in models] if models is not None else await _stream_names(client, keys)
-    streams = [await _stream(client, keys, name, live, pending_limit, now) for name in names]
-    return QueueSnapshot(namespace=keys.namespace, taken_unix_s=now, streams=streams, workers=workers)
+    streams = []
+    for model in models if models is not None else await _model_names(client, keys):
+        for name in await _model_streams(client, keys, model):
+            streams.append(await _stream(client, keys, model, name, live, pending_limit, now))
+    return QueueSnapshot(namespace=keys.namespace, taken_unix_s=now, streams=streams, workers=workers,
+                         classes=_classes(streams))
 
 
 def to_json(snap: QueueSnapshot) -> str:
@@ -198,11 +263,19 @@ def to_json(snap: QueueSnapshot) -> str:
 
 
 def render(snap: QueueSnapshot) -> list[Table]:
-    """Rich tables: streams, consumers, first pending entries, workers."""
+    """Rich tables: classes, streams (per class and tenant), consumers, first pending
+    entries, workers."""
+    classes = Table(title="priority classes (summed over tenants)")
+    for col in ("model", "class", "waiting", "pending", "oldest wait s", "tenants"):
+        classes.add_column(col, justify="left" if col in ("model", "class") else "right")
+    for c in snap.classes:
+        oldest = "-" if c.oldest_waiting_age_s is None else f"{c.oldest_waiting_age_s:.1f}"
+        classes.add_row(c.model, c.priority_class, str(c.num_waiting), str(c.num_pending), oldest,
+                        str(c.num_tenants))
     streams = Table(title=f"request streams ({snap.namespace})")
-    for col in ("model", "length", "waiting", "oldest wait s", "pending", "redelivered", "consumers", "dead",
-                "last delivered"):
-        streams.add_column(col, justify="left" if col in ("model", "last delivered") else "right")
+    for col in ("model", "class", "tenant", "length", "waiting", "oldest wait s", "pending", "redelivered",
+                "virtual tokens", "consumers", "dead", "last delivered"):
+        streams.add_column(col, justify="left" if col in ("model", "class", "tenant", "last delivered") else "right")
     consumers = Table(title="consumers (group workers)")
     for col in ("model", "consumer", "pending", "idle s", "heartbeat"):
         consumers.add_column(col, justify="right" if col in ("pending", "idle s") else "left")
@@ -214,8 +287,9 @@ def render(snap: QueueSnapshot) -> list[Table]:
         dead = f"[red]{len(s.dead_consumers)}[/red]" if any(
             c.num_pending for c in s.consumers if not c.alive) else str(len(s.dead_consumers))
         oldest = "-" if s.oldest_waiting_age_s is None else f"{s.oldest_waiting_age_s:.1f}"
-        streams.add_row(s.model, str(s.length), str(s.num_waiting), oldest, str(s.num_pending), redelivered,
-                        str(len(s.consumers)), dead, s.last_delivered_id or ("-" if s.has_group else "no group"))
+        vtc = "-" if s.virtual_tokens is None else f"{s.virtual_tokens:.0f}"
+        streams.add_row(s.model, s.priority_class, s.tenant, str(s.length), str(s.num_waiting), oldest,
+                        str(s.num_pending), redelivered, vtc, str(len(s.consumers)), dead, s.last_delivered_id or ("-" if s.has_group else "no group"))
         for c in s.consumers:
             state = "alive" if c.alive else ("[red]dead[/red]" if c.num_pending else "gone")
             consumers.add_row(s.model, c.name, str(c.num_pending), f"{c.idle_ms / 1000:.1f}", state)
@@ -232,7 +306,7 @@ def render(snap: QueueSnapshot) -> list[Table]:
         state = "alive" if w.alive else "[red]stalled[/red]"
         workers.add_row(st.worker_id, st.model, st.backend, state, str(st.num_running), str(st.num_waiting),
                         f"{st.kv_usage:.1%}", f"{w.heartbeat_age_s:.1f}", str(st.pid))
-    return [streams, consumers, pending, workers]
+    return [classes, streams, consumers, pending, workers]
 
 
 def queues_command(redis_url: str, namespace: str = "inferq", as_json: bool = False,

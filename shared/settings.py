@@ -81,12 +81,16 @@ class ModelSettings:
     model_cache_dir: str = field(default="", metadata=_doc(
         "Where converted models are cached (default ~/.cache/inferq/models)"))
     seed: int = field(default=0, metadata=_doc("Seed for dummy weights and unseeded sampling"))
+    quantization: str = field(default="none", metadata=_doc(
+        "none | fp8 (linear weights quantized to FP8 E4M3 at load, per output channel; "
+        "a checkpoint saved in FP8 is always served in FP8)"))
 
     def __post_init__(self) -> None:
         """Raises: SettingsError: a value that is not allowed."""
         _require_one_of(self, "load_format", ("auto", "dummy"))
         _require_one_of(self, "dtype", ("auto", "float32", "bfloat16", "float16"))
         _require_one_of(self, "device", ("auto", "cpu", "cuda"))
+        _require_one_of(self, "quantization", ("none", "fp8"))
         _require_at_least(self, "max_model_len", 1)
 
 
@@ -105,24 +109,46 @@ class EngineSettings:
     enable_prefix_caching: bool = field(default=True, metadata=_doc("Reuse KV blocks of identical prompt prefixes"))
     enforce_eager: bool = field(default=False, metadata=_doc("Disable CUDA graphs"))
     attention_backend: str = field(default="auto", metadata=_doc("auto | torch | cpu | triton"))
+    kv_cache_dtype: str = field(default="auto", metadata=_doc(
+        "auto (the model's dtype) | fp8 (float8 e4m3, scale 1.0: about twice the tokens per byte)"))
     async_scheduling: bool = field(default=True, metadata=_doc(
         "With CUDA graphs, enqueue the next decode step before the current one's tokens reach the host"))
+    prefill_tokens_per_decode: int = field(default=8, metadata=_doc(
+        "With CUDA graphs, in a step that carries decodes: most prefill tokens per decoding sequence "
+        "(at least 512; 0: no cap), which bounds the inter-token latency a long prompt adds"))
     mixed_cuda_graphs: bool = field(default=True, metadata=_doc(
         "With CUDA graphs, also capture steps that carry prefill chunks (one graph per token-count bucket)"))
     cpu_threads: int = field(default=0, metadata=_doc(
         "Intra-op threads on CPU (0: OMP_NUM_THREADS if set, else every core)"))
     sim_step_time_ms: float = field(default=20.0, metadata=_doc(
         "Step time of the model-free `sim` backend, ms (one token per running request per step)"))
+    speculative_method: str = field(default="off", metadata=_doc(
+        "Speculative decoding: off | ngram (prompt lookup; docs/architecture.md, \"Speculative decoding\")"))
+    num_speculative_tokens: int = field(default=5, metadata=_doc(
+        "Most draft tokens verified per sequence and step (adaptive below it)"))
+    speculative_ngram_max: int = field(default=4, metadata=_doc("Longest suffix n-gram that prompt lookup matches, tokens"))
+    speculative_ngram_min: int = field(default=2, metadata=_doc("Shortest suffix n-gram that prompt lookup matches, tokens"))
+    speculative_token_cost: float = field(default=0.06, metadata=_doc(
+        "Cost of one more query token in a step relative to a batch-1 decode step's fixed cost; sizes the "
+        "adaptive draft length (measured: bench/spec_bench.py)"))
 
     def __post_init__(self) -> None:
         """Raises: SettingsError: a value that is not allowed."""
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_speculative_tokens",
+                     "speculative_ngram_min"):
             _require_at_least(self, name, 1)
-        for name in ("num_kv_blocks", "cpu_threads"):
+        _require(self, "speculative_method", self.speculative_method != "draft",
+                 "a draft-model proposer is not implemented yet (issue 17); use ngram or off")
+        _require_one_of(self, "speculative_method", ("off", "ngram"))
+        _require(self, "speculative_ngram_max", self.speculative_ngram_max >= self.speculative_ngram_min,
+                 "must be at least --speculative-ngram-min")
+        _require_at_least(self, "speculative_token_cost", 0.0)
+        for name in ("num_kv_blocks", "cpu_threads", "prefill_tokens_per_decode"):
             _require_at_least(self, name, 0)
         _require(self, "gpu_memory_utilization", 0.0 < self.gpu_memory_utilization <= 1.0,
                  "must be above 0 and at most 1")
         _require_one_of(self, "attention_backend", ("auto", "torch", "cpu", "triton"))
+        _require_one_of(self, "kv_cache_dtype", ("auto", "fp8"))
         _require_at_least(self, "sim_step_time_ms", 0.0)
 
 

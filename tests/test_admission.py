@@ -9,9 +9,14 @@ import pytest
 
 from gateway.admission import QueueDepthReader, check_queue
 from gateway.errors import OpenAIError
-from shared.keys import STREAM_FIELD
+from shared.fair_queue import FairQueue
+from shared.keys import STREAM_FIELD, Keys
 
 STREAM = "inferq:m:requests"
+
+
+def _queue(client) -> FairQueue:
+    return FairQueue(client, Keys(), "m")
 
 
 async def num_xlen_calls(client) -> int:
@@ -20,7 +25,7 @@ async def num_xlen_calls(client) -> int:
 
 
 async def test_concurrent_admissions_share_one_read_and_count_each_other(client) -> None:
-    reader = QueueDepthReader(client, STREAM)
+    reader = QueueDepthReader(_queue(client))
     await client.xadd(STREAM, {STREAM_FIELD: b"queued"})  # one request already waiting
     before = await num_xlen_calls(client)
 
@@ -38,7 +43,7 @@ async def test_concurrent_admissions_share_one_read_and_count_each_other(client)
 
 
 async def test_a_later_admission_reads_again(client) -> None:
-    reader = QueueDepthReader(client, STREAM)
+    reader = QueueDepthReader(_queue(client))
     await check_queue(reader, max_queue_len=4)
     for _ in range(4):
         await client.xadd(STREAM, {STREAM_FIELD: b"queued"})
@@ -51,7 +56,7 @@ async def test_redis_down_is_503_for_every_sharer(redis_server) -> None:
     import redis.asyncio as aioredis
 
     client = aioredis.from_url(redis_server.url)
-    reader = QueueDepthReader(client, STREAM)
+    reader = QueueDepthReader(_queue(client))
     redis_server.close()
     try:
         results = await asyncio.gather(*(check_queue(reader, 10) for _ in range(3)), return_exceptions=True)
@@ -72,8 +77,8 @@ async def test_concurrent_lone_requests_are_group_committed(client) -> None:
     from gateway.admission import Enqueuer
     from shared import protocol
 
-    enqueuer = Enqueuer(client, STREAM)
-    entry_ids = await asyncio.gather(*(enqueuer.enqueue([_request(i)]) for i in range(200)))
+    enqueuer = Enqueuer(_queue(client))
+    entry_ids = await asyncio.gather(*(enqueuer.enqueue(STREAM, [_request(i)]) for i in range(200)))
     # Each caller got the id of its own entry...
     entries = dict(await client.xrange(STREAM))
     assert len(entries) == 200 and all(len(ids) == 1 for ids in entry_ids)
@@ -86,13 +91,13 @@ async def test_concurrent_lone_requests_are_group_committed(client) -> None:
 async def test_a_refused_batch_fails_every_request_and_writes_nothing(client) -> None:
     from gateway.admission import Enqueuer
 
-    enqueuer = Enqueuer(client, STREAM)
+    enqueuer = Enqueuer(_queue(client))
     await client.config_set("maxmemory-policy", "noeviction")
     await client.config_set("maxmemory", "1")
     try:
-        results = await asyncio.gather(*(enqueuer.enqueue([_request(i)]) for i in range(5)), return_exceptions=True)
+        results = await asyncio.gather(*(enqueuer.enqueue(STREAM, [_request(i)]) for i in range(5)), return_exceptions=True)
     finally:
         await client.config_set("maxmemory", "0")
     assert [getattr(r, "status", r) for r in results] == [503] * 5
     assert await client.xlen(STREAM) == 0
-    assert await enqueuer.enqueue([_request(9)])  # the writer goes on after a refused batch
+    assert await enqueuer.enqueue(STREAM, [_request(9)])  # the writer goes on after a refused batch

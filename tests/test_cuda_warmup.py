@@ -3,7 +3,8 @@ workload afterwards (staggered arrivals, prompts of 1 to 1,500 tokens, chunked p
 beside decodes, prefix-cache hits, greedy, sampled, seeded and penalised requests, an
 abort, preemption) compiles no Triton kernel, captures no CUDA graph and runs no step
 eagerly: every step replays a decode or a mixed-step graph; and the sampler never waits
-on the device."""
+on the device. Steps that score prompt logprobs run eagerly, and compile nothing either:
+the runner warmed that path up too."""
 
 from __future__ import annotations
 
@@ -101,6 +102,27 @@ def test_nothing_compiles_or_captures_after_start(monkeypatch: pytest.MonkeyPatc
     assert stats.num_free_blocks == stats.num_blocks
     print(f"{steps} steps: {runner.mixed.num_replays} mixed replays, {runner.graphs.num_replays} decode replays, "
           f"{engine.num_async_steps} async, {engine.scheduler.num_preemptions} preemptions")
+
+    # Prompt logprobs: one chunk or several, alone or beside decodes and other chunks.
+    eager_before = runner.num_eager_steps
+    scored = [[rng.randrange(vocab) for _ in range(n)] for n in (2, 3, 17, 32, 100, 171, 256, 333, 512, 700, 1200)]
+    pending = list(enumerate(scored))
+    scores: dict[str, int] = {}
+    while pending or engine.has_unfinished_requests():
+        for _ in range(min(len(pending), rng.choice([0, 1, 2]))):
+            i, prompt = pending.pop(0)
+            params = SamplingParams(max_tokens=rng.choice([1, 5, 20]), temperature=0.0, ignore_eos=True,
+                                    prompt_logprobs=i % 3 * 2)
+            engine.add_request(f"p{i}", prompt, params)
+            engine.add_request(f"q{i}", prompt[:1] * 3, _params(rng, i))  # a neighbour that does not score
+        for out in engine.step():
+            if out.prompt_logprobs is not None:
+                scores[out.request_id] = len(out.prompt_logprobs)
+        steps += 1
+        assert steps < 6000, f"no end after {steps} steps: {engine.stats()}"
+    assert compiled == [], f"Triton compiled for prompt logprobs: {compiled}"
+    assert runner.num_eager_steps > eager_before
+    assert scores == {f"p{i}": len(p) - 1 for i, p in enumerate(scored)}
     del llm, engine, runner
     gc.collect()
     torch.cuda.empty_cache()

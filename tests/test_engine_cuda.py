@@ -9,7 +9,10 @@ different steps and the graphs run padded buckets.
 from __future__ import annotations
 
 import gc
+import json
+import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -167,3 +170,51 @@ def test_mixed_graphs_match_eager() -> None:
         gc.collect()
         torch.cuda.empty_cache()
     assert results[1] == results[0]
+
+
+@pytest.fixture(scope="module")
+def dummy_smollm(tmp_path_factory) -> str:
+    """SmolLM2-135M's config beside the default model's tokenizer (grammars need one): from
+    the converted model here, or from ``$INFERQ_TOKENIZER_DIR`` on a machine without it
+    (a lent GPU: ``bench.model_folder.export_tokenizer``'s files)."""
+    from bench.model_folder import build_model_folder
+
+    tokenizer_dir = os.environ.get("INFERQ_TOKENIZER_DIR")
+    folder, _ = build_model_folder("SmolLM2-135M", tmp_path_factory.mktemp("models"),
+                                   Path(tokenizer_dir) if tokenizer_dir else None)
+    return str(folder)
+
+
+def _structured_run(model: str, async_scheduling: bool) -> tuple[list[tuple[list[int], str | None]], int]:
+    """Grammar-constrained requests only (regex, choice, a bounded JSON schema; greedy and
+    seeded sampling), random weights in float32: each output and the async step count."""
+    from shared.sampling import StructuredOutput
+
+    llm = LLM(model=model, load_format="dummy", dtype="float32", device="cuda", num_kv_blocks=256,
+              max_num_seqs=8, max_model_len=512, async_scheduling=async_scheduling)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "w": {"enum": ["red", "green", "blue"]}},
+              "required": ["n", "w"], "additionalProperties": False}
+    specs = [StructuredOutput(kind="regex", spec=r"[0-9]{3}-[0-9]{4}"),
+             StructuredOutput(kind="choice", spec=json.dumps(["yes", "no", "maybe not"])),
+             StructuredOutput(kind="json_schema", spec=json.dumps(schema))]
+    params = [SamplingParams(max_tokens=80, temperature=0.0 if i % 2 == 0 else 0.9, seed=7 + i, structured=s)
+              for i, s in enumerate(specs * 2)]
+    prompts = _prompts(llm.engine.model_config.vocab_size)[:len(params)]
+    outs = llm.generate(prompts, params)
+    num_async = llm.engine.num_async_steps
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return [(o.token_ids, o.finish_reason) for o in outs], num_async
+
+
+def test_async_scheduling_with_grammars_matches_sync(dummy_smollm) -> None:
+    """Requests with a grammar take the async path too (forward enqueued, previous tokens
+    applied to the grammars while it runs, then sampled under the masks) and give exactly
+    the synchronous loop's tokens and finish reasons."""
+    sync, num_sync = _structured_run(dummy_smollm, async_scheduling=False)
+    got, num_async = _structured_run(dummy_smollm, async_scheduling=True)
+    assert num_sync == 0 and num_async > 0
+    assert all(reason == "stop" for _, reason in sync), sync
+    assert got == sync

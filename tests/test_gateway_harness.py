@@ -20,6 +20,7 @@ import uvicorn
 from gateway.app import create_app
 from shared import protocol
 from shared.embedded_redis import EmbeddedRedis
+from shared.fair_queue import FairQueue
 from shared.keys import CONSUMER_GROUP, HEARTBEAT_TTL_S, STREAM_FIELD, Keys
 from shared.model_source import resolve_model
 from shared.protocol import AbortMessage, GenerateRequest, TokenBatch, TokenOutput, WorkerStatus
@@ -106,16 +107,19 @@ class FakeWorker:
                 self.aborts.append(protocol.decode(msg["data"]))
 
     async def _consume(self) -> None:
+        # Pulls as a worker does (shared/fair_queue.py), from every class and tenant stream.
+        queue = FairQueue(self.client, self.keys, MODEL)
         while True:
-            resp = await self.client.xreadgroup(CONSUMER_GROUP, "w1", {self.stream: ">"}, count=1, block=100)
-            for _, entries in resp or []:
-                for entry_id, fields in entries:
-                    req = protocol.decode(fields[STREAM_FIELD])
-                    self.requests.append(req)
-                    await self.behavior(req, self)
-                    if self.ack:
-                        await self.client.xack(self.stream, CONSUMER_GROUP, entry_id)
-                        await self.client.xdel(self.stream, entry_id)
+            entries = await queue.pull("w1", 1)
+            if not entries:
+                await queue.wait(0.1)
+            for stream, entry_id, fields in entries:
+                req = protocol.decode(fields[STREAM_FIELD])
+                self.requests.append(req)
+                await self.behavior(req, self)
+                if self.ack:
+                    await self.client.xack(stream, CONSUMER_GROUP, entry_id)
+                    await self.client.xdel(stream, entry_id)
 
     async def send(self, req: GenerateRequest, first_index: int, token_ids: list[int],
                    finish_reason: str | None = None) -> None:

@@ -83,7 +83,9 @@ async def test_named_models_missing_stream_and_json_render(redis_server) -> None
     decoded = json.loads(to_json(snap))
     assert decoded["streams"][0]["num_pending"] == 3 and decoded["namespace"] == "tq"
     tables = render(snap)
-    streams, consumers, pending, workers = (rows(t) for t in tables)
+    classes, streams, consumers, pending, workers = (rows(t) for t in tables)
+    assert [(r["model"], r["class"], r["waiting"], r["pending"]) for r in classes] == [
+        ("absent", "default", "0", "0"), ("m1", "default", str(m1.num_waiting), "3")]
     assert [(r["model"], r["pending"], r["redelivered"], r["consumers"], r["dead"]) for r in streams] == [
         ("m1", "3", "1+", "2", "1"), ("absent", "0", "0", "0", "0")]  # 1 of 3 pending scanned: "1+"
     # Each consumer's own row: the one without a heartbeat holding an entry is dead.

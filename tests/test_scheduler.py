@@ -345,3 +345,38 @@ def test_lookups_hash_each_block_once(monkeypatch) -> None:
     assert s.num_preemptions > 0
     num_full_blocks = sum(r.num_tokens // 4 for r in requests)
     assert 0 < calls[0] <= num_full_blocks
+
+
+def test_prefill_tokens_per_decode_caps_chunks_next_to_decodes() -> None:
+    """With decodes running, prefill chunks (an unfinished prefill and a new admission)
+    share ``prefill_tokens_per_decode`` tokens per decoding sequence, at least
+    ``MIN_PREFILL_TOKENS``; with no decode, or no cap, a prompt gets the whole budget."""
+    from worker.engine.scheduler import MIN_PREFILL_TOKENS
+
+    def run(cap: int, num_decoding: int) -> list[list[int]]:
+        s = Scheduler(BlockManager(512, 16, False), 128, 2048, prefill_tokens_per_decode=cap)
+        for i in range(num_decoding):
+            s.add(req(f"d{i}", 8, max_tokens=50))
+        s.update(first := s.schedule(), [1] * num_decoding)
+        assert len(first.scheduled) == num_decoding
+        s.add(req("long", 1500, max_tokens=5))
+        s.add(req("next", 100, max_tokens=5))
+        steps = []
+        for _ in range(3):
+            out = s.schedule()
+            steps.append([item.num_tokens for item in out.scheduled][num_decoding:])
+            s.update(out, [1 if item.samples else None for item in out.scheduled])
+        return steps
+
+    assert MIN_PREFILL_TOKENS == 512
+    # 96 decodes at 8 tokens each: 768 prefill tokens a step, the long prompt's chunk
+    # carried on until it ends, then the next prompt admitted beside its last chunk
+    # (step 3: the long one decodes its first token beside the rest of the next one).
+    assert run(8, 96) == [[768], [732, 36], [1, 64]]
+    # The floor: 4 decodes x 8 tokens is below it.
+    assert run(8, 4)[0] == [512]
+    # No cap: the whole budget left after the decodes.
+    assert run(0, 96)[0] == [1500, 100]
+    alone = Scheduler(BlockManager(512, 16, False), 16, 2048, prefill_tokens_per_decode=8)
+    alone.add(req("long", 1500, max_tokens=5))
+    assert [item.num_tokens for item in alone.schedule().scheduled] == [1500]

@@ -245,6 +245,40 @@ def test_padded_vocabulary_ids_are_never_allowed(smollm_source) -> None:
         build_tokenizer(smollm_source.path, 1000, frozenset({2}))
 
 
+def test_json_numbers_are_capped_unless_the_grammar_needs_more_digits(ll_tokenizer) -> None:
+    """A JSON output's numbers stop at 20 digits before the point, 20 after it, 3 in the
+    exponent (shared/grammars.py); strings, regexes and a schema that needs a longer
+    number keep their digits."""
+    masks = GrammarMasks(ll_tokenizer.vocab_size, CPU)
+    cache = GrammarCache(lambda: ll_tokenizer)
+    digit_ids = {t for t in range(ll_tokenizer.vocab_size) if ll_tokenizer.decode_str([t]).isdigit()}
+
+    def after(structured: StructuredOutput, text: str):
+        matcher = cache.matcher(structured)
+        for t in ll_tokenizer.tokenize_str(text):
+            assert matcher.accept(t), text
+        return matcher, allowed_ids(masks, matcher)
+
+    bounded = json_schema({"type": "object", "properties": {"x": {"type": "number", "minimum": 0, "maximum": 1}},
+                           "required": ["x"], "additionalProperties": False})
+    assert digit_ids & after(bounded, '{"x":0.5' + "0" * 18)[1]  # 19 digits after the point
+    close = after(bounded, '{"x":0.5' + "0" * 19)[1]
+    assert not digit_ids & close and ll_tokenizer.tokenize_str("}")[0] in close
+    eos = ll_tokenizer.eos_token
+    for structured, text in [(json_schema({"type": "integer"}), "1" + "0" * 19), (json_schema({"type": "number"}), "-2e123"),
+                             (StructuredOutput(kind="json_object"), '{"a":[' + "7" * 20)]:
+        allowed = after(structured, text)[1]
+        assert not digit_ids & allowed and allowed, text
+        assert (eos in allowed) == (structured.kind == "json_schema"), text
+    kept = [(json_schema({"type": "object", "properties": {"s": {"type": "string"}}}), '{"s":"' + "1" * 30),
+            (StructuredOutput(kind="regex", spec="[0-9]+"), "1" * 30),
+            (json_schema({"enum": [10**24, 7]}), "1" + "0" * 19)]  # the schema needs 25 digits
+    for structured, text in kept:
+        assert digit_ids & after(structured, text)[1], text
+    matcher, _ = after(json_schema({"enum": [10**24, 7]}), "1" + "0" * 24)
+    assert matcher.number_cap is None and matcher.matcher.is_accepting()  # the cap gave way
+
+
 # -- end to end on the real model -----------------------------------------------------------
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -363,6 +397,19 @@ def test_failover_continuation_replays_the_delivered_tokens(mixed, offline) -> N
         offline.engine.add_request("resumed", prompt, params, output_token_ids=whole[:num_delivered])
         rest, finish, first = run(offline.engine, "resumed")
         assert first == num_delivered and whole[:num_delivered] + rest == whole and finish == "stop"
+
+
+@pytest.mark.slow
+def test_a_runaway_number_is_closed_by_the_digit_cap(offline) -> None:
+    """A model pushed to write "0.000..." (logit_bias) closes the JSON after 20 digits,
+    far inside max_tokens, instead of running out of tokens mid-number."""
+    tok = offline.tokenizer
+    bias = tuple(sorted((tok.convert_tokens_to_ids(c), 100.0) for c in "0."))
+    schema = {"type": "object", "properties": {"x": {"type": "number", "minimum": 0, "maximum": 1}},
+              "required": ["x"], "additionalProperties": False}
+    params = SamplingParams(max_tokens=40, temperature=0.0, logit_bias=bias, structured=json_schema(schema))
+    (out,) = offline.generate([chat(tok, "Give x as JSON.")], params)
+    assert out.finish_reason == "stop" and out.text == '{"x":0.' + "0" * 20 + "}", out.text
 
 
 @pytest.mark.slow

@@ -29,14 +29,14 @@ from arq.connections import ArqRedis
 from arq.worker import Worker, func
 
 from shared.batch_store import FINAL_STATUSES, RUN_BATCH_JOB, BatchStore, enqueue_run
+from shared.fair_queue import PRIORITY_CLASSES, PRIORITY_HEADER
 from shared.keys import Keys
 from shared.settings import BatchSettings, RedisSettings
 
 log = logging.getLogger(__name__)
 
-#: Header naming the priority class of a request (the lowest class for batch lines).
-PRIORITY_HEADER = "X-Priority"
-BATCH_PRIORITY = "batch"
+#: Batch lines go to the lowest priority class (``shared/fair_queue.py``).
+BATCH_PRIORITY = PRIORITY_CLASSES[-1]
 #: Answers after which a line is sent again (the gateway is overloaded, without a
 #: worker, or restarting) rather than recorded.
 RETRY_STATUSES = (429, 502, 503, 504)

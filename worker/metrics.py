@@ -59,7 +59,24 @@ FAMILIES = (
     _Family("inferq:engine_async_steps", "counter",
             "Decode steps enqueued behind one still in flight (async scheduling)",
             lambda w, s: getattr(w.backend, "num_async_steps", 0)),
+    # Speculative decoding (worker/engine/spec_decode.py); 0 when off or on another backend.
+    # Counters only, so rates hold over any window: acceptance rate = rate(accepted) /
+    # rate(draft tokens); mean accepted length = 1 + rate(accepted) / rate(verify steps).
+    _Family("inferq:spec_decode_num_draft_tokens", "counter", "Draft tokens proposed and verified",
+            lambda w, s: _spec(w, "num_draft_tokens")),
+    _Family("inferq:spec_decode_num_accepted_tokens", "counter", "Draft tokens accepted",
+            lambda w, s: _spec(w, "num_accepted_tokens")),
+    _Family("inferq:spec_decode_num_verify_steps", "counter", "Request-steps that verified drafts",
+            lambda w, s: _spec(w, "num_verify_steps")),
+    _Family("inferq:spec_decode_proposer_seconds", "counter", "Host time spent proposing drafts, seconds",
+            lambda w, s: _spec(w, "proposer_time_s")),
 )
+
+
+def _spec(worker: Worker, name: str) -> float:
+    """A speculative-decoding counter of the worker's engine (``LLMEngine.spec_stats``)."""
+    stats = getattr(worker.backend, "spec_stats", None)
+    return float(getattr(stats, name)) if stats is not None else 0.0
 
 
 def exported_names() -> list[str]:

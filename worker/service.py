@@ -2,8 +2,10 @@
 
 Each turn of the loop:
 1. apply aborts received on the control channel;
-2. pull with XREADGROUP only as many requests as the engine can admit
-   (``num_admittable``), blocking briefly only when the engine is idle;
+2. pull only as many requests as the engine can admit (``num_admittable``) with the
+   fair queue's pull script (``shared/fair_queue.py``: highest class first, within it
+   the tenant with the smallest virtual token counter); when the engine is idle and
+   nothing waits, block briefly on the model's doorbell, which every enqueue rings;
 3. run one engine step on the engine thread (``worker/engine_thread.py``), off the
    event loop, while the previous step's outputs are published;
 4. start publishing this step's outputs: one ``TokenBatch`` per gateway (every request
@@ -29,6 +31,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from shared import protocol
+from shared.fair_queue import PRIORITY_CLASSES, FairQueue
 from shared.keys import CONSUMER_GROUP, HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, STREAM_FIELD, Keys
 from shared.liveness import live_workers
 from shared.protocol import AbortMessage, ErrorMessage, GenerateRequest, TokenBatch, TokenOutput, WorkerStatus
@@ -39,7 +42,7 @@ from worker.progress import StepClock, StepTrace
 
 log = logging.getLogger(__name__)
 
-#: How long XREADGROUP blocks when the engine is idle, ms.
+#: How long an idle worker blocks on the doorbell (BLPOP) before it looks again, ms.
 IDLE_BLOCK_MS = 100
 #: Back-off after a Redis error, seconds.
 RECONNECT_DELAY_S = 0.5
@@ -58,15 +61,16 @@ def default_worker_id() -> str:
 
 @dataclass(slots=True)
 class InFlight:
-    """Where a running request came from and where its tokens go."""
+    """Where a running request came from (its stream and entry) and where its tokens go."""
 
+    stream: str
     entry_id: bytes
     reply_channel: str
     attempt: int
 
 
 class Worker:
-    """Consumes one model's request stream into an engine backend."""
+    """Consumes one model's request streams (``shared/fair_queue.py``) into an engine backend."""
 
     def __init__(self, client: aioredis.Redis, keys: Keys, model: str, worker_id: str,
                  backend: EngineBackend, drain_timeout_s: float = 60.0,
@@ -78,7 +82,9 @@ class Worker:
         self.model = model
         self.worker_id = worker_id or default_worker_id()
         self.backend = backend
-        self.stream = keys.requests_stream(model)
+        #: The model's classes and tenants; ``stream`` is its base stream.
+        self.queue = FairQueue(client, keys, model)
+        self.stream = self.queue.base_stream
         self.inflight: dict[str, InFlight] = {}
         self._aborts: set[str] = set()
         self._draining = asyncio.Event()
@@ -196,23 +202,21 @@ class Worker:
             log.warning("publish failed, kept for the next one: %s", exc)
 
     async def _ensure_group(self) -> None:
-        try:
-            await self.redis.xgroup_create(self.stream, CONSUMER_GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        await self.queue.ensure_base()
 
     async def _pull(self, block_ms: int | None) -> None:
-        count = self.backend.num_admittable()
-        if count <= 0:
+        # Per class: what the engine can admit of it (a full engine still takes a higher
+        # class than it runs, preempting for it); the pull script fills the highest first.
+        counts = [self.backend.num_admittable(rank) for rank in range(len(PRIORITY_CLASSES))]
+        if max(counts) <= 0:
             if block_ms is not None:
                 await asyncio.sleep(block_ms / 1000)
             return
-        reply = await self.redis.xreadgroup(CONSUMER_GROUP, self.worker_id, {self.stream: ">"},
-                                            count=count, block=block_ms)
-        for _stream, entries in reply or []:
-            for entry_id, fields in entries:
-                await self._admit(entry_id, fields)
+        entries = await self.queue.pull(self.worker_id, counts)
+        if not entries and block_ms is not None and await self.queue.wait(block_ms / 1000):
+            entries = await self.queue.pull(self.worker_id, counts)
+        for stream, entry_id, fields in entries:
+            await self._admit(stream, entry_id, fields)
 
     async def reap(self) -> int:
         """Claim entries pending on dead consumers (as many as the engine admits) and run
@@ -224,55 +228,68 @@ class Worker:
         idle in the PEL for as long as its generation runs.
         """
         claimed = 0
-        consumers = await self.redis.xinfo_consumers(self.stream, CONSUMER_GROUP)
-        names = [as_text(c["name"]) for c in consumers]
+        streams = await self.queue.streams()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for stream in streams:
+                pipe.xinfo_consumers(stream, CONSUMER_GROUP)
+            replies = await pipe.execute(raise_on_error=False)
+        per_stream = [(s, r) for s, r in zip(streams, replies, strict=True) if not isinstance(r, Exception)]
+        names = {as_text(c["name"]) for _, consumers in per_stream for c in consumers}
         live = await live_workers(self.redis, self.keys, names)
-        for consumer, name in zip(consumers, names, strict=True):
+        for stream, consumers in per_stream:
+            claimed += await self._reap_stream(stream, consumers, live)
+        self.num_reclaimed += claimed
+        return claimed
+
+    async def _reap_stream(self, stream: str, consumers: list[dict], live: set[str]) -> int:
+        """``reap`` on one stream, given its XINFO CONSUMERS reply and the live workers."""
+        claimed = 0
+        for consumer in consumers:
+            name = as_text(consumer["name"])
             if name == self.worker_id or name in live:
                 continue
             if int(consumer["pending"]) == 0:
                 if int(consumer["idle"]) > DEAD_CONSUMER_IDLE_MS:
-                    await self.redis.xgroup_delconsumer(self.stream, CONSUMER_GROUP, name)
+                    await self.redis.xgroup_delconsumer(stream, CONSUMER_GROUP, name)
                 continue
             room = self.backend.num_admittable()
             if room <= 0:
                 break
-            pending = await self.redis.xpending_range(self.stream, CONSUMER_GROUP, min="-", max="+", count=room,
+            pending = await self.redis.xpending_range(stream, CONSUMER_GROUP, min="-", max="+", count=room,
                                                       consumername=name, idle=REAP_MIN_IDLE_MS)
             ids = [p["message_id"] for p in pending]
             if not ids:
                 continue
-            entries = await self.redis.xclaim(self.stream, CONSUMER_GROUP, self.worker_id, REAP_MIN_IDLE_MS, ids)
+            entries = await self.redis.xclaim(stream, CONSUMER_GROUP, self.worker_id, REAP_MIN_IDLE_MS, ids)
             # Redis 6.2 answers (None, None), in order, for an id deleted while pending
             # (it still moves to our PEL): ack it so nothing stays pending.
             for requested_id, (entry_id, fields) in zip(ids, entries):
                 log.warning("reclaimed %s from dead consumer %s", requested_id, name)
                 claimed += 1
                 if entry_id is not None and fields:
-                    await self._admit(entry_id, fields)
+                    await self._admit(stream, entry_id, fields)
                 else:
-                    await self._ack(requested_id)
-        self.num_reclaimed += claimed
+                    await self._ack(stream, requested_id)
         return claimed
 
-    async def _admit(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+    async def _admit(self, stream: str, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         try:
             message = protocol.decode(fields[STREAM_FIELD])
         except (KeyError, protocol.ProtocolError) as exc:
             log.error("dropping undecodable stream entry %s: %s", entry_id, exc)
-            await self._ack(entry_id)
+            await self._ack(stream, entry_id)
             return
         if not isinstance(message, GenerateRequest):
             log.error("dropping stream entry %s of type %s", entry_id, type(message).__name__)
-            await self._ack(entry_id)
+            await self._ack(stream, entry_id)
             return
         if time.time() > message.deadline_unix_s:
-            await self._fail(message, entry_id, 504, "request deadline passed before a worker could start it")
+            await self._fail(message, stream, entry_id, 504, "request deadline passed before a worker could start it")
             return
         held = self.inflight.get(message.request_id)
         if held is not None:
             if held.attempt >= message.attempt:  # a stale redelivery of what runs here
-                await self._ack(entry_id)
+                await self._ack(stream, entry_id)
                 return
             # The gateway took this worker for dead and re-enqueued a continuation: the
             # newer attempt replaces the one running here.
@@ -281,24 +298,24 @@ class Worker:
             # Outputs of the replaced run that a Redis error held back must not go out under
             # the new attempt's number: the continuation resumes after what the client has.
             self._backlog = [out for out in self._backlog if out.request_id != message.request_id]
-            await self._ack(held.entry_id)
+            await self._ack(held.stream, held.entry_id)
         try:
             self.backend.add_request(message.request_id, message.prompt_token_ids, message.sampling,
-                                     message.output_token_ids)
+                                     message.output_token_ids, priority=message.priority)
         except RequestRejected as exc:
-            await self._fail(message, entry_id, 400, str(exc))
+            await self._fail(message, stream, entry_id, 400, str(exc))
             return
-        self.inflight[message.request_id] = InFlight(entry_id, message.reply_channel, message.attempt)
+        self.inflight[message.request_id] = InFlight(stream, entry_id, message.reply_channel, message.attempt)
         if self.trace is not None:
             self.trace.pulled += 1
 
-    async def _fail(self, message: GenerateRequest, entry_id: bytes, status: int, text: str) -> None:
+    async def _fail(self, message: GenerateRequest, stream: str, entry_id: bytes, status: int, text: str) -> None:
         error = ErrorMessage(request_id=message.request_id, attempt=message.attempt, worker_id=self.worker_id,
                              status=status, message=text)
-        await finish_entry(self.redis, self.stream, entry_id, error=error, reply_channel=message.reply_channel)
+        await finish_entry(self.redis, stream, entry_id, error=error, reply_channel=message.reply_channel)
 
-    async def _ack(self, entry_id: bytes | str) -> None:
-        await finish_entry(self.redis, self.stream, entry_id)
+    async def _ack(self, stream: str, entry_id: bytes | str) -> None:
+        await finish_entry(self.redis, stream, entry_id)
 
     async def _fail_all(self, exc: Exception) -> None:
         """The engine raised: abort every request it holds and tell each client (500)."""
@@ -307,7 +324,7 @@ class Worker:
             self.backend.abort(request_id)
             error = ErrorMessage(request_id=request_id, attempt=info.attempt, worker_id=self.worker_id,
                                  status=500, message=f"engine error: {type(exc).__name__}: {exc}")
-            await finish_entry(self.redis, self.stream, info.entry_id, error=error, reply_channel=info.reply_channel)
+            await finish_entry(self.redis, info.stream, info.entry_id, error=error, reply_channel=info.reply_channel)
             del self.inflight[request_id]
 
     async def _publish(self, new_outputs: list[RequestOutput]) -> None:
@@ -337,7 +354,7 @@ class Worker:
             for channel, entries in batches.items():
                 pipe.publish(channel, protocol.encode(TokenBatch(worker_id=self.worker_id, outputs=entries)))
             for _request_id, info in finished:
-                add_finish(pipe, self.stream, info.entry_id)
+                add_finish(pipe, info.stream, info.entry_id)
             # Per-command errors (XACK after a Redis restart lost the group: NOGROUP) must
             # not make the PUBLISHes go out again; a lost connection still raises here.
             results = await pipe.execute(raise_on_error=False)
@@ -364,7 +381,7 @@ class Worker:
             if info is None:
                 continue
             self.backend.abort(request_id)
-            await self._ack(info.entry_id)
+            await self._ack(info.stream, info.entry_id)
 
     # -- background tasks ----------------------------------------------------------
     def status(self) -> WorkerStatus:

@@ -5,7 +5,8 @@
 #include <optional>
 
 void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                      at::Tensor seq_lens, at::Tensor token_idx, at::Tensor seq_idx, double scale);
+                      at::Tensor seq_lens, at::Tensor token_idx, at::Tensor seq_idx, double scale,
+                      int64_t sliding_window);
 void silu_and_mul_cpu(at::Tensor out, at::Tensor x);
 void fused_add_rms_norm_cpu(at::Tensor out, at::Tensor res_out, at::Tensor x, std::optional<at::Tensor> residual,
                             at::Tensor weight, double eps);

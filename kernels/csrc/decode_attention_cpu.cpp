@@ -4,7 +4,10 @@
 // One task per decode token (or, with fewer tokens than twice the threads, per partition
 // of its blocks): every query head's scores over the context (dot products of head_dim
 // floats), a numerically stable softmax (max subtracted) and the weighted sum of the value
-// rows. A task reads each block front to back, all KV heads of a token together, so the
+// rows. With a sliding window w > 0 the token at position len - 1 sees keys
+// len - w .. len - 1 only (transformers' kv_idx > q_idx - w): the key loop starts at the
+// first of them, and blocks wholly before it are never read (their table entries may be
+// stale). A task reads each block front to back, all KV heads of a token together, so the
 // reads stream; tasks run on ATen's intra-op pool (at::parallel_for, OpenMP). Float32
 // accumulation throughout; bfloat16 caches are widened on load.
 //
@@ -53,6 +56,7 @@ struct DecodeArgs {
   int64_t num_heads, head_dim, block_size, num_kv_heads, group, max_blocks;
   int64_t q_token_stride, out_token_stride, cache_block_stride, cache_token_stride;
   float scale;
+  int64_t sliding_window;  // 0: none
 };
 
 // Scratch of one thread, reused across its tasks.
@@ -60,14 +64,14 @@ struct Scratch {
   std::vector<float> q, scores, acc, row_max, denom;
 };
 
-// Calls fn(t, row) for each token t (absolute position) of blocks [b0, b1) of a sequence
-// of len tokens, in order; row points at the token's first KV head in cache.
+// Calls fn(t, row) for each token t (absolute position) in [t0, t1) of blocks [b0, b1),
+// in order; row points at the token's first KV head in cache.
 template <typename T, typename Fn>
 inline void for_each_token(const DecodeArgs<T>& a, const T* cache, const int32_t* table, int64_t b0, int64_t b1,
-                           int64_t len, Fn&& fn) {
+                           int64_t t0, int64_t t1, Fn&& fn) {
   for (int64_t b = b0; b < b1; ++b) {
-    const T* row = cache + table[b] * a.cache_block_stride;
-    const int64_t first = b * a.block_size, last = std::min(len, first + a.block_size);
+    const int64_t first = std::max(t0, b * a.block_size), last = std::min(t1, (b + 1) * a.block_size);
+    const T* row = cache + table[b] * a.cache_block_stride + (first - b * a.block_size) * a.cache_token_stride;
     for (int64_t t = first; t < last; ++t, row += a.cache_token_stride) fn(t, row);
   }
 }
@@ -80,11 +84,14 @@ bool attend_partition(const DecodeArgs<T>& a, int64_t i, int64_t part, int64_t n
   const int64_t token = a.tokens[i], seq = a.seqs[i];
   const int64_t len = a.lens[seq];
   const int32_t* table = a.tables + seq * a.max_blocks;
-  const int64_t num_blocks = (len + a.block_size - 1) / a.block_size;
+  // Keys [first_key, len) are seen; the partitions split the blocks that hold them.
+  const int64_t first_key = a.sliding_window > 0 ? std::max<int64_t>(0, len - a.sliding_window) : 0;
+  const int64_t first_block = first_key / a.block_size;
+  const int64_t num_blocks = (len + a.block_size - 1) / a.block_size - first_block;
   const int64_t per_part = (num_blocks + num_parts - 1) / num_parts;
-  const int64_t b0 = part * per_part, b1 = std::min(num_blocks, b0 + per_part);
+  const int64_t b0 = first_block + part * per_part, b1 = std::min(first_block + num_blocks, b0 + per_part);
   if (b0 >= b1) return false;
-  const int64_t t0 = b0 * a.block_size, t1 = std::min(len, b1 * a.block_size), n = t1 - t0;
+  const int64_t t0 = std::max(first_key, b0 * a.block_size), t1 = std::min(len, b1 * a.block_size), n = t1 - t0;
   const int64_t heads = a.num_heads, d = a.head_dim;
   for (int64_t h = 0; h < heads; ++h) {
     const T* src = a.q + token * a.q_token_stride + h * d;
@@ -93,7 +100,7 @@ bool attend_partition(const DecodeArgs<T>& a, int64_t i, int64_t part, int64_t n
   w.scores.resize(heads * n);
   std::fill(w.row_max.begin(), w.row_max.end(), -std::numeric_limits<float>::infinity());
   // Scores: each block is read front to back (tokens, then KV heads, then dims).
-  for_each_token(a, a.k, table, b0, b1, len, [&](int64_t t, const T* row) {
+  for_each_token(a, a.k, table, b0, b1, t0, t1, [&](int64_t t, const T* row) {
     for (int64_t kvh = 0; kvh < a.num_kv_heads; ++kvh) {
       for (int64_t g = 0; g < a.group; ++g) {
         const int64_t h = kvh * a.group + g;
@@ -115,7 +122,7 @@ bool attend_partition(const DecodeArgs<T>& a, int64_t i, int64_t part, int64_t n
     w.denom[h] = sum;
   }
   std::fill(w.acc.begin(), w.acc.end(), 0.f);
-  for_each_token(a, a.v, table, b0, b1, len, [&](int64_t t, const T* row) {
+  for_each_token(a, a.v, table, b0, b1, t0, t1, [&](int64_t t, const T* row) {
     for (int64_t kvh = 0; kvh < a.num_kv_heads; ++kvh) {
       for (int64_t g = 0; g < a.group; ++g) {
         const int64_t h = kvh * a.group + g;
@@ -130,14 +137,14 @@ template <typename T>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, const at::Tensor& token_idx,
-                           const at::Tensor& seq_idx, double scale) {
+                           const at::Tensor& seq_idx, double scale, int64_t sliding_window) {
   const int64_t n = token_idx.size(0);
   if (n == 0) return;
   DecodeArgs<T> a{q.data_ptr<T>(), out.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
                   block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), token_idx.data_ptr<int32_t>(),
                   seq_idx.data_ptr<int32_t>(), q.size(1), q.size(2), k_cache.size(1), k_cache.size(2),
                   q.size(1) / k_cache.size(2), block_tables.size(1), q.stride(0), out.stride(0),
-                  k_cache.stride(0), k_cache.stride(1), static_cast<float>(scale)};
+                  k_cache.stride(0), k_cache.stride(1), static_cast<float>(scale), sliding_window};
   const int64_t heads = a.num_heads, d = a.head_dim;
   // Few sequences: split each one's blocks into partitions so every thread has work
   // (flash-decoding, Dao et al., 2023), merged below by their maxima and denominators.
@@ -196,10 +203,11 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tenso
 // out, q: [num_tokens, num_heads, head_dim] (rows of q/out contiguous in heads and dims);
 // k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] contiguous;
 // block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32;
-// token_idx, seq_idx: [n] int32, the decode tokens and their sequences.
+// token_idx, seq_idx: [n] int32, the decode tokens and their sequences;
+// sliding_window: 0 for full attention, else w > 0 (keys len - w .. len - 1).
 void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                       at::Tensor block_tables, at::Tensor seq_lens, at::Tensor token_idx,
-                      at::Tensor seq_idx, double scale) {
+                      at::Tensor seq_idx, double scale, int64_t sliding_window) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [num_tokens, num_heads, head_dim]");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && out.stride(2) == 1 && out.stride(1) == out.size(2),
               "q and out rows must be contiguous");
@@ -212,10 +220,13 @@ void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tens
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "index tensors must be contiguous int32");
   }
   TORCH_CHECK(token_idx.sizes() == seq_idx.sizes(), "token_idx and seq_idx must have one length");
+  TORCH_CHECK(sliding_window >= 0, "sliding_window must be 0 (none) or positive, got ", sliding_window);
   if (q.scalar_type() == at::kFloat) {
-    decode_attention_impl<float>(out, q, k_cache, v_cache, block_tables, seq_lens, token_idx, seq_idx, scale);
+    decode_attention_impl<float>(out, q, k_cache, v_cache, block_tables, seq_lens, token_idx, seq_idx, scale,
+                                 sliding_window);
   } else if (q.scalar_type() == at::kBFloat16) {
-    decode_attention_impl<at::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens, token_idx, seq_idx, scale);
+    decode_attention_impl<at::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens, token_idx, seq_idx,
+                                        scale, sliding_window);
   } else {
     TORCH_CHECK(false, "decode_attention supports float32 and bfloat16, got ", q.scalar_type());
   }

@@ -88,9 +88,10 @@ class EngineBackend(Protocol):
     max_model_len: int
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    output_token_ids: list[int] | None = None) -> None:
-        """Queue a request (``output_token_ids``: resume after these outputs, see
-        ``GenerateRequest``). Raises ``RequestRejected`` when it cannot run."""
+                    output_token_ids: list[int] | None = None, priority: int = 0) -> None:
+        """Queue a request (``output_token_ids``: resume after these outputs;
+        ``priority``: its class rank, lower served first; see ``GenerateRequest``).
+        Raises ``RequestRejected`` when it cannot run."""
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its resources; False when unknown."""
@@ -101,8 +102,10 @@ class EngineBackend(Protocol):
     def has_unfinished_requests(self) -> bool:
         """True while any request is queued or running."""
 
-    def num_admittable(self) -> int:
-        """How many new requests to pull now."""
+    def num_admittable(self, priority: int | None = None) -> int:
+        """How many new requests to pull now; with ``priority``, how many of that class
+        (or a higher one), counting what lower classes hold as room where the backend
+        preempts them for it."""
 
     def stats(self) -> EngineStats:
         """Load snapshot for heartbeats and metrics."""

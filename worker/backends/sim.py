@@ -2,9 +2,13 @@
 
 ``SimBackend`` behaves like a continuous-batching engine whose forward pass takes a
 fixed ``step_time_ms``: every step emits one token for each running request, at most
-``max_num_seqs`` requests run at once and the rest wait (FIFO), and ``num_admittable``
-reports free sequence slots, so pull-based balancing across workers holds as it does
-with the real engine.
+``max_num_seqs`` requests run at once and the rest wait (FIFO within a priority class,
+lower ``priority`` first), and ``num_admittable`` reports free sequence slots, so
+pull-based balancing across workers holds as it does with the real engine. As there, a
+waiting request that finds every slot taken preempts the running request of the lowest
+class strictly below its own, most recently admitted first (``num_preemptions``); the
+victim goes back to the head of its class and resumes where it was (the sim has no KV
+to recompute).
 
 Outputs are deterministic so tests can detect lost or duplicated tokens: output token
 ``i`` of a request is ``prompt_token_ids[i % len(prompt_token_ids)]`` (an echo of the
@@ -41,6 +45,7 @@ class _SimRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     num_output_tokens: int = 0
+    priority: int = 0
 
     def next_token(self) -> int:
         return self.prompt_token_ids[self.num_output_tokens % len(self.prompt_token_ids)]
@@ -69,13 +74,15 @@ class SimBackend:
         self._running: dict[str, _SimRequest] = {}
         self._known: set[str] = set()  # ids waiting or running
         self.num_steps = 0
+        self.num_preemptions = 0
 
     # -- requests ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    output_token_ids: list[int] | None = None) -> None:
+                    output_token_ids: list[int] | None = None, priority: int = 0) -> None:
         """Queue a request; ``output_token_ids`` resumes one whose first outputs were
         already delivered (failover): they count against ``max_tokens`` and the next
-        token's index (and echo position) is ``len(output_token_ids)``.
+        token's index (and echo position) is ``len(output_token_ids)``. ``priority``:
+        the class rank, lower served first (``GenerateRequest.priority``).
 
         Raises:
             RequestRejected: empty or too long prompt, bad parameters, duplicate id,
@@ -90,7 +97,7 @@ class SimBackend:
         check_request(prompt_token_ids, sampling, num_resumed, self.max_model_len)
         if request_id in self._known:
             raise RequestRejected(f"request {request_id} is already running")
-        self._waiting.append(_SimRequest(request_id, list(prompt_token_ids), sampling, num_resumed))
+        self._enqueue(_SimRequest(request_id, list(prompt_token_ids), sampling, num_resumed, priority), ahead=False)
         self._known.add(request_id)
 
     def abort(self, request_id: str) -> bool:
@@ -105,16 +112,19 @@ class SimBackend:
     def has_unfinished_requests(self) -> bool:
         return bool(self._known)
 
-    def num_admittable(self) -> int:
-        """Free sequence slots: ``max_num_seqs`` minus running and waiting requests."""
-        return max(0, self.max_num_seqs - len(self._running) - len(self._waiting))
+    def num_admittable(self, priority: int | None = None) -> int:
+        """Free sequence slots: ``max_num_seqs`` minus running and waiting requests; with
+        ``priority``, minus only those of that class or a higher one (a new request of the
+        class preempts or passes the others)."""
+        held = [*self._running.values(), *self._waiting]
+        return max(0, self.max_num_seqs - sum(priority is None or r.priority <= priority for r in held))
 
     # -- the loop ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Admit waiting requests into free slots, emit one token per running request,
         and take at least ``step_time_ms`` in all (blocking sleep: call it off the loop)."""
         start_s = time.perf_counter()
-        while self._waiting and len(self._running) < self.max_num_seqs:
+        while self._waiting and (len(self._running) < self.max_num_seqs or self._preempt_for(self._waiting[0])):
             request = self._waiting.popleft()
             self._running[request.request_id] = request
         outputs = [self._advance(r) for r in self._running.values()]
@@ -127,6 +137,29 @@ class SimBackend:
         if remaining_s > 0:
             time.sleep(remaining_s)
         return outputs
+
+    def _enqueue(self, request: _SimRequest, *, ahead: bool) -> None:
+        """Insert into the waiting queue in class order: behind its class, or ``ahead``
+        of it (a preempted request)."""
+        p = request.priority
+        if ahead:
+            i = next((k for k, r in enumerate(self._waiting) if r.priority >= p), len(self._waiting))
+        else:
+            i = len(self._waiting)
+            while i > 0 and self._waiting[i - 1].priority > p:
+                i -= 1
+        self._waiting.insert(i, request)
+
+    def _preempt_for(self, request: _SimRequest) -> bool:
+        """Preempt the lowest-class running request, the most recently admitted of its
+        class, if that class is strictly below ``request``'s; False when none is."""
+        victim = max(reversed(self._running.values()), key=lambda r: r.priority, default=None)
+        if victim is None or victim.priority <= request.priority:
+            return False
+        del self._running[victim.request_id]
+        self._enqueue(victim, ahead=True)
+        self.num_preemptions += 1
+        return True
 
     def _advance(self, request: _SimRequest) -> RequestOutput:
         token = request.next_token()
@@ -149,4 +182,5 @@ class SimBackend:
         return EngineStats(num_running=num_running, num_waiting=len(self._waiting),
                            kv_usage=num_running / self.max_num_seqs,
                            num_free_blocks=(self.max_num_seqs - num_running) * self._blocks_per_seq,
-                           num_blocks=num_blocks, num_preemptions=0, prefix_cache_queries=0, prefix_cache_hits=0)
+                           num_blocks=num_blocks, num_preemptions=self.num_preemptions, prefix_cache_queries=0,
+                           prefix_cache_hits=0)

@@ -27,6 +27,13 @@ How our calls map onto vLLM's:
   ids, hidden from the text); ours finishes at the grammar's end without it.
   ``logprobs`` and ``prompt_logprobs`` pass through as vLLM's fields of the same names
   (a resumed request gets no prompt logprobs: its vLLM prompt holds delivered outputs).
+  ``priority`` (the class rank, ``GenerateRequest.priority``) passes through as vLLM's
+  ``priority``, which its ``priority`` scheduling policy (set by ``engine_args``) honours:
+  waiting requests in (priority, arrival) order, and the running request of the lowest
+  class preempted when a running one needs KV blocks. vLLM 0.32 (installed) preempts no
+  running request to admit a waiting one of a higher class, which our engine does
+  (docs/architecture.md, "Requests and scheduling"): there a high-class request waits
+  for the first running request to finish.
 - ``step``: ``LLMEngine.step()``; each ``RequestOutput`` gives the request's new token
   ids (stop and EOS tokens included, as in our engine) and finish reason, and, when
   asked for, their logprobs (vLLM's delta slice: one entry per new token) and, on the
@@ -140,7 +147,7 @@ def engine_args(source: ModelSource, model: ModelSettings, engine: EngineSetting
         enforce_eager=engine.enforce_eager, gpu_memory_utilization=engine.gpu_memory_utilization,
         kv_cache_memory_bytes=engine.kv_cache_bytes if on_cpu else None,
         num_gpu_blocks_override=engine.num_kv_blocks or None, disable_log_stats=False, max_logprobs=MAX_LOGPROBS,
-        structured_outputs_config=structured_outputs_config())
+        structured_outputs_config=structured_outputs_config(), scheduling_policy="priority")
 
 
 def structured_outputs_config() -> Any:
@@ -300,9 +307,9 @@ class VllmBackend:
 
     # -- requests ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    output_token_ids: list[int] | None = None) -> None:
+                    output_token_ids: list[int] | None = None, priority: int = 0) -> None:
         """Queue a request in vLLM; ``output_token_ids`` resumes one whose first outputs
-        were already delivered (failover).
+        were already delivered (failover); ``priority`` is vLLM's (lower served first).
 
         Raises:
             RequestRejected: empty or too long prompt, bad parameters, token ids out of
@@ -318,7 +325,7 @@ class VllmBackend:
         all_ids = [*prompt_token_ids, *outputs]
         try:
             (prompt,) = self.engine.renderer.render_cmpl([TokensPrompt(prompt_token_ids=all_ids)])
-            self.engine.add_request(request_id, prompt, vllm_sampling(sampling, len(outputs)))
+            self.engine.add_request(request_id, prompt, vllm_sampling(sampling, len(outputs)), priority=priority)
         except (ValueError, VLLMClientError) as exc:  # vLLM's validation of the request
             raise RequestRejected(str(exc)) from exc
         self._requests[request_id] = _Tracked(len(prompt_token_ids), len(outputs), sampling.logprobs,
@@ -349,11 +356,12 @@ class VllmBackend:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
-    def num_admittable(self) -> int:
+    def num_admittable(self, priority: int | None = None) -> int:
         """How many new requests to pull now: free sequence slots, or 0 when vLLM left
         requests waiting after its last step (it is full), or when the free KV blocks do
         not exceed the prompt blocks of requests added since then plus one block of
-        growth per running request."""
+        growth per running request. ``priority`` changes nothing: vLLM preempts no
+        running request to admit a waiting one (module docstring)."""
         num_running, num_waiting = self._scheduler().get_request_counts()
         if num_waiting > self._num_added:
             return 0

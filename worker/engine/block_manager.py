@@ -8,6 +8,15 @@ their hash and stay findable until they are reused; reuse takes the least recent
 freed block first (LRU). The tail of a freed sequence is freed first, so it is
 evicted before the shared head.
 
+Sliding window (a model whose every layer attends to its last ``sliding_window``
+positions only, as Mistral v0.1): a running request's blocks that no later query can see
+are freed as its context grows (``free_outside_window``), so a long sequence holds about
+``sliding_window / block_size + 1`` blocks. Their block-table entries become
+``FREED_BLOCK``, keeping every later entry at its position's index; the attention kernels
+never read a block wholly before the window (``kernels/paged_attention.py``). A freed
+block keeps its hash, like any freed block: another request with the same prefix may
+still find it until it is reused.
+
 Source: Kwon et al., "Efficient Memory Management for Large Language Model Serving
 with PagedAttention" (SOSP 2023); vLLM v1 ``KVCacheManager``.
 """
@@ -22,6 +31,9 @@ from dataclasses import dataclass
 from worker.engine.request import Request
 
 NO_HASH = -1
+#: Block-table entry of a block released by ``free_outside_window``: not a block id
+#: (no block is ever read or written through it).
+FREED_BLOCK = -1
 
 
 @dataclass(slots=True)
@@ -51,9 +63,14 @@ class BlockManager:
     as free (they are evictable).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
+        """``sliding_window``: tokens every layer of the model attends back to (the query
+        at position p sees p - sliding_window < k <= p), or None (full attention)."""
         assert num_blocks > 0 and block_size > 0
+        assert sliding_window is None or sliding_window > 0
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -61,6 +78,8 @@ class BlockManager:
         self._cached: dict[int, int] = {}  # block hash -> block id
         # Per request: how many of its blocks ``cache_full_blocks`` has registered.
         self._num_registered: dict[str, int] = {}
+        # Per request: how many of its first blocks ``free_outside_window`` released.
+        self._num_freed: dict[str, int] = {}
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
 
@@ -158,7 +177,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = request.num_computed_tokens // self.block_size
-        first = self._num_registered.get(request.request_id, 0)
+        first = max(self._num_registered.get(request.request_id, 0), self._num_freed.get(request.request_id, 0))
         self._num_registered[request.request_id] = max(first, num_full)
         for i in range(first, num_full):
             h = self.block_hash_at(request, i)
@@ -170,13 +189,62 @@ class BlockManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, and clear its block table."""
         for block_id in reversed(request.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed twice"
-            if block.ref_count == 0:
-                self._free[block_id] = None
+            if block_id != FREED_BLOCK:
+                self._release(block_id)
         request.block_table = []
         self._num_registered.pop(request.request_id, None)
+        self._num_freed.pop(request.request_id, None)
+
+    def free_tail(self, request: Request) -> int:
+        """Release the request's blocks past the one that holds position
+        ``num_computed_tokens - 1`` (speculative decoding's rollback: rejected drafts'
+        KV lies beyond ``num_computed_tokens``). They were never full of computed tokens,
+        so none is registered in the prefix cache.
+
+        Returns:
+            How many blocks this call released.
+        """
+        keep = -(-request.num_computed_tokens // self.block_size)
+        table = request.block_table
+        num_released = max(len(table) - keep, 0)
+        for block_id in reversed(table[keep:]):
+            self._release(block_id)
+        del table[keep:]
+        return num_released
+
+    def free_outside_window(self, request: Request) -> int:
+        """With a sliding window, release the request's blocks that lie wholly before the
+        window of every query it will still run, and mark them ``FREED_BLOCK`` in its
+        block table. Call after ``num_computed_tokens`` grew (and ``cache_full_blocks``).
+
+        Every later query sits at a position ``p >= num_computed_tokens`` (a decode step
+        already in flight included: its token is the one at ``num_computed_tokens``) and
+        sees keys from ``p - sliding_window + 1`` on, so block ``i`` can go once
+        ``(i + 1) * block_size <= num_computed_tokens - sliding_window + 1``.
+
+        Returns:
+            How many blocks this call released (0 without a window).
+        """
+        if self.sliding_window is None:
+            return 0
+        first_key = request.num_computed_tokens - self.sliding_window + 1
+        num_out = max(first_key, 0) // self.block_size
+        first = self._num_freed.get(request.request_id, 0)
+        table = request.block_table
+        for i in range(first, num_out):
+            self._release(table[i])
+            table[i] = FREED_BLOCK
+        if num_out > first:
+            self._num_freed[request.request_id] = num_out
+        return max(num_out - first, 0)
+
+    def _release(self, block_id: int) -> None:
+        """Drop one reference to a block; at none it is free (and stays cached)."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block_id} freed twice"
+        if block.ref_count == 0:
+            self._free[block_id] = None
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (blocks in use keep their data)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import partial
 
 import torch
@@ -16,10 +16,12 @@ from shared.sampling import SamplingParams
 from shared.settings import EngineSettings, ModelSettings
 from worker.backends.base import EngineStats, RequestOutput, RequestRejected, check_request
 from worker.engine.block_manager import BlockManager
-from worker.engine.model_runner import DecodeLaunch, ModelRunner, decode_inputs
+from worker.engine.model_runner import DecodeLaunch, ModelRunner, decode_inputs, kv_cache_dtype
 from worker.engine.request import Request
 from worker.engine.scheduler import Scheduler, SchedulerOutput
+from worker.engine.spec_decode import NgramProposer, SpecStats
 from worker.models.config import ModelConfig
+from worker.models.fp8 import resolve_quantization
 from worker.models.loader import build_model
 from worker.structured.cache import GrammarCache
 from worker.structured.tokenizer import build_tokenizer
@@ -47,7 +49,7 @@ def num_kv_blocks(cfg: ModelConfig, settings: EngineSettings, dtype: torch.dtype
     activations (estimated as 24 bytes per hidden unit per batched token plus logits)."""
     if settings.num_kv_blocks:
         return settings.num_kv_blocks
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = torch.empty((), dtype=kv_cache_dtype(settings.kv_cache_dtype, dtype)).element_size()
     block_bytes = cfg.kv_bytes_per_token(elem) * settings.block_size
     if device.type != "cuda":
         return max(1, settings.kv_cache_bytes // block_bytes)
@@ -89,15 +91,24 @@ class LLMEngine:
         self.model_config = ModelConfig.from_hf(source.config)
         self.max_model_len = max_model_len(source.config, model_settings.max_model_len)
         t0 = time.perf_counter()
+        quantization, prequantized = resolve_quantization(model_settings.quantization, source.config)
         model = build_model(self.model_config, source.path, source.dummy, self.dtype, self.device,
-                            self.max_model_len, model_settings.seed)
+                            self.max_model_len, model_settings.seed, quantization, prequantized)
         num_blocks = num_kv_blocks(self.model_config, self.engine_settings, self.dtype, self.device)
         self.runner = ModelRunner(model, self.engine_settings, num_blocks, self.max_model_len, self.dtype,
                                   self.device, model_settings.seed)
         self.scheduler = Scheduler(BlockManager(num_blocks, self.engine_settings.block_size,
-                                                self.engine_settings.enable_prefix_caching),
-                                   self.engine_settings.max_num_seqs, self.engine_settings.max_num_batched_tokens)
+                                                self.engine_settings.enable_prefix_caching,
+                                                self.model_config.uniform_sliding_window),
+                                   self.engine_settings.max_num_seqs, self.engine_settings.max_num_batched_tokens,
+                                   # On CPU a step's time is mostly per token, so a cap would only
+                                   # slow prefills down: it bounds mixed steps against graph replays.
+                                   self.engine_settings.prefill_tokens_per_decode if self.runner.graphs else 0)
         self.eos_token_ids = eos_token_ids(source.config)
+        es = self.engine_settings
+        # Speculative decoding (worker/engine/spec_decode.py); None: off.
+        self.proposer = NgramProposer(es.num_speculative_tokens, es.speculative_ngram_max, es.speculative_ngram_min,
+                                      es.speculative_token_cost) if es.speculative_method == "ngram" else None
         # Structured outputs: the llguidance tokenizer is built on the first such request.
         self.grammars = GrammarCache(
             partial(build_tokenizer, source.path, self.model_config.vocab_size, self.eos_token_ids)
@@ -110,10 +121,12 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    output_token_ids: list[int] | None = None) -> None:
+                    output_token_ids: list[int] | None = None, priority: int = 0) -> None:
         """Queue a request; ``output_token_ids`` resumes one whose first outputs were
         already delivered (failover): they count against ``max_tokens`` and the next
-        token's index is ``len(output_token_ids)``.
+        token's index is ``len(output_token_ids)``. ``priority`` is its class rank
+        (``GenerateRequest.priority``, lower served first; the scheduler admits in
+        class order and preempts running requests of a lower class to fit it).
 
         A structured output (``sampling.structured``) gets its grammar matcher here, from
         the compiled-grammar cache, advanced past ``output_token_ids``. Prompt logprobs
@@ -136,7 +149,7 @@ class LLMEngine:
             grammar = None if sampling.structured is None else self.grammars.matcher(sampling.structured, outputs)
             wants_prompt_logprobs = sampling.prompt_logprobs is not None and not outputs
             self.scheduler.add(Request(request_id, list(prompt_token_ids), sampling, self.eos_token_ids,
-                                       token_ids=all_ids, grammar=grammar,
+                                       priority=priority, token_ids=all_ids, grammar=grammar,
                                        prompt_logprobs=[] if wants_prompt_logprobs else None))
         except ValueError as exc:  # InvalidGrammar, or the scheduler's checks
             raise RequestRejected(str(exc)) from exc
@@ -153,13 +166,16 @@ class LLMEngine:
         and its grammar matcher."""
         self.runner.sampler.free(request.request_id)
         request.grammar = None
+        if self.proposer is not None:
+            self.proposer.free(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or self._inflight is not None
 
-    def num_admittable(self) -> int:
-        """How many new requests the worker may pull now (``Scheduler.num_admittable``)."""
-        return self.scheduler.num_admittable()
+    def num_admittable(self, priority: int | None = None) -> int:
+        """How many new requests (of class ``priority`` or higher, when given) the worker
+        may pull now (``Scheduler.num_admittable``)."""
+        return self.scheduler.num_admittable(priority)
 
     # -- the loop ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -174,6 +190,8 @@ class LLMEngine:
         """
         if self._inflight is not None:
             return self._finish_inflight()
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
@@ -181,9 +199,14 @@ class LLMEngine:
             requests = [item.request for item in out.scheduled]
             self._inflight = (out, self.runner.launch_decode(requests, *decode_inputs(requests)))
             return self._finish_inflight()
-        return self._apply(out, *self.runner.execute(out.scheduled))
+        sampled, logprobs, prompt_logprobs = self.runner.execute(out.scheduled)
+        if self.proposer is not None:
+            for item, tokens in zip(out.scheduled, sampled):
+                if item.num_spec_tokens and isinstance(tokens, list):
+                    self.proposer.record(item.request.request_id, item.num_spec_tokens, len(tokens) - 1)
+        return self._apply(out, sampled, logprobs, prompt_logprobs)
 
-    def _apply(self, out: SchedulerOutput, sampled: list[int | None],
+    def _apply(self, out: SchedulerOutput, sampled: Sequence[int | list[int] | None],
                logprobs: list[TokenLogprobs | None] | None = None,
                prompt_logprobs: list[list[TokenLogprobs] | None] | None = None) -> list[RequestOutput]:
         """Apply a step's sampled tokens (and, per scheduled item, its token's logprobs
@@ -212,35 +235,49 @@ class LLMEngine:
     def _async_decode_ok(self, out: SchedulerOutput) -> bool:
         """A step the async path may run: every item one sampled decode token, through
         the graphs, with no request that needs its token history on the host (penalties)
-        or its previous token applied before its next mask (a grammar), or logprobs
-        (``RawLogprobs`` is fetched with the ids, which the async path does not wait for),
-        or prompt logprobs not delivered yet."""
-        return (self.engine_settings.async_scheduling and self.runner.can_launch_decode(len(out.scheduled))
+        or logprobs (``RawLogprobs`` is fetched with the ids, which the async path does not
+        wait for), or prompt logprobs not delivered yet. Grammars may: ``_finish_inflight``
+        samples their step after the previous tokens reach them. Not with speculative
+        decoding on: the proposer reads each step's tokens on the host before the next."""
+        return (self.engine_settings.async_scheduling and self.proposer is None
+                and self.runner.can_launch_decode(len(out.scheduled))
                 and not out.preempted
                 and all(item.num_tokens == 1 and item.samples and not item.request.sampling.needs_penalties
-                        and item.request.grammar is None and item.request.sampling.logprobs is None
+                        and item.request.sampling.logprobs is None
                         and item.request.prompt_logprobs is None for item in out.scheduled))
 
     def _finish_inflight(self) -> list[RequestOutput]:
         """Enqueue the next decode step when it can follow the one in flight, then wait
         for the in-flight step's tokens and apply them."""
         out, launch = self._inflight  # type: ignore[misc]
-        self._inflight = self._launch_next(out, launch)
-        return self._apply(out, launch.token_ids())  # type: ignore[arg-type]
-
-    def _launch_next(self, out: SchedulerOutput, launch: DecodeLaunch
-                     ) -> tuple[SchedulerOutput, DecodeLaunch] | None:
-        """The step after ``out``, for the same requests, each one token further, with
-        ``out``'s sampled ids (still on the device) as input; None when the scheduler
-        would run something else next (``Scheduler.can_schedule_next_decode``)."""
         if not self.scheduler.can_schedule_next_decode(out):
-            return None
+            self._inflight = None
+            return self._apply(out, launch.token_ids())  # type: ignore[arg-type]
         nxt = self.scheduler.schedule_next_decode(out)
         requests = [item.request for item in nxt.scheduled]
         # One position past the token in flight, which the host has not applied yet.
         positions = [r.num_computed_tokens + 1 for r in requests]
         self.num_async_steps += 1
-        return nxt, self.runner.launch_decode(requests, positions, launch.sampled)
+        if all(r.grammar is None for r in requests):
+            self._inflight = nxt, self.runner.launch_decode(requests, positions, launch.sampled)
+            return self._apply(out, launch.token_ids())  # type: ignore[arg-type]
+        # A grammar's next mask needs the token in flight: enqueue the forward pass, apply
+        # the tokens (advancing the grammars) while it runs, then sample under the masks.
+        # A request that stopped meanwhile has dropped its grammar: its row is sampled
+        # unmasked and discarded, as in the path above, and the seeded generator that
+        # sampling makes again for it is dropped once more.
+        logits = self.runner.launch_forward(requests, positions, launch.sampled)
+        outputs = self._apply(out, launch.token_ids())  # type: ignore[arg-type]
+        self._inflight = nxt, self.runner.launch_sample(logits, requests)
+        for r in requests:
+            if r.status.finished:
+                self._free(r)
+        return outputs
 
     def stats(self) -> EngineStats:
         return self.scheduler.make_stats()
+
+    @property
+    def spec_stats(self) -> SpecStats:
+        """Speculative decoding's counters (all zero when it is off)."""
+        return self.proposer.stats if self.proposer is not None else SpecStats()

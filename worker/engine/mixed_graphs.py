@@ -82,7 +82,7 @@ class StepInputs:
     (on CPU the host buffers are the device buffers).
 
     Layout, for capacities of ``T`` tokens, ``S`` sequences, ``B`` blocks per sequence:
-        int64: input_ids [T] | positions [T] | slot_mapping [T] | logits_indices [S]
+        int64: input_ids [T] | positions [T] | slot_mapping [T] | logits_indices [S or max_sampled]
         int32: block_tables [S, B] | query_start_loc [S + 1] | seq_lens [S]
     ``fill`` writes a step of at most ``T`` tokens and ``S`` sequences; ``views(t, s)``
     gives its first ``t`` tokens and ``s`` sequences. Rows past the step are padding: slot
@@ -91,11 +91,14 @@ class StepInputs:
     """
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, max_sampled: int = 0) -> None:
+        """``max_sampled``: capacity of ``logits_indices`` (0: ``max_seqs``, one row per
+        sequence; a speculative step scores more rows, up to its token count)."""
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
+        max_sampled = max_sampled or max_seqs
         self.block_size = block_size
         on_cuda = device.type == "cuda"
-        n64 = 3 * max_tokens + max_seqs
+        n64 = 3 * max_tokens + max_sampled
         n32 = max_seqs * max_blocks + 2 * max_seqs + 1
         self.host64 = torch.zeros(n64, dtype=torch.int64, pin_memory=on_cuda)
         self.host32 = torch.zeros(n32, dtype=torch.int32, pin_memory=on_cuda)
@@ -116,7 +119,8 @@ class StepInputs:
         """Pack a step: each request's tokens ``[num_computed_tokens, + num_tokens)``, their
         positions and KV slots (``block_table[p // block_size] * block_size + p %
         block_size``), the sequences' block tables, cumulative query lengths, context
-        lengths after the step, and the flat index of each sampled token's hidden row.
+        lengths after the step, and the flat index of each sampled token's hidden row
+        (every row of a speculative item: ``ScheduledRequest.num_spec_tokens``).
         Token rows ``[num_tokens, pad_tokens_to)`` get slot -1; sequence rows past the
         batch are padding (see the class docstring).
 
@@ -131,8 +135,7 @@ class StepInputs:
         if n > self.max_seqs or max(num_tokens, pad_tokens_to) > self.max_tokens:
             raise ValueError(f"a step of {num_tokens} tokens and {n} sequences does not fit buffers of "
                              f"{self.max_tokens} tokens and {self.max_seqs} sequences")
-        self._ids[:num_tokens] = list(chain.from_iterable(
-            item.request.token_ids[s:s + q] for item, s, q in zip(batch, starts, q_lens)))
+        self._ids[:num_tokens] = list(chain.from_iterable(item.input_token_ids() for item in batch))
         tables = self._tables
         for i, item in enumerate(batch):
             row = item.request.block_table
@@ -154,7 +157,11 @@ class StepInputs:
         bs = self.block_size
         self._slots[:num_tokens] = tables[tok_seq, pos // bs].astype(np.int64) * bs + pos % bs
         self._slots[num_tokens:max(num_tokens, pad_tokens_to)] = -1
-        sampled = [end - 1 for item, end in zip(batch, qsl[1:n + 1].tolist()) if item.samples]
+        # A speculative item's every row is scored: its drafts and the token after them.
+        sampled = [row for item, end in zip(batch, qsl[1:n + 1].tolist()) if item.samples
+                   for row in range(end - 1 - item.num_spec_tokens, end)]
+        if len(sampled) > len(self._logits_idx):
+            raise ValueError(f"{len(sampled)} scored rows do not fit {len(self._logits_idx)}")
         self._logits_idx[:len(sampled)] = sampled
         self._logits_idx[len(sampled):] = 0
         return StepShape(num_tokens, n, len(sampled), max(q_lens, default=0), max(s_lens, default=0), q_lens, s_lens)

@@ -36,14 +36,16 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels.kv_cache_write import FP8_KV_DTYPE
 from shared.protocol import TokenLogprobs
 from shared.settings import EngineSettings
 from worker.engine.cuda_graphs import DecodeGraphs
 from worker.engine.mixed_graphs import MixedGraphs, StepInputs
-from worker.engine.prompt_logprobs import compute_prompt_logprobs, prompt_spans
+from worker.engine.prompt_logprobs import compute_prompt_logprobs, prompt_spans, warm_up_steps
 from worker.engine.request import Request
-from worker.engine.sampler import RawLogprobs, Sampler
+from worker.engine.sampler import RawLogprobs, Sampler, host_list_to_device
 from worker.engine.scheduler import ScheduledRequest
+from worker.engine.spec_decode import verify
 from worker.models.attention import AttentionMetadata, select_backend
 from worker.models.config import ModelConfig
 from worker.models.llama import KVCache, LlamaForCausalLM
@@ -65,9 +67,17 @@ def decode_inputs(requests: Sequence[Request]) -> tuple[list[int], list[int]]:
     return positions, [r.token_ids[p] for r, p in zip(requests, positions)]
 
 
+def kv_cache_dtype(setting: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type for ``EngineSettings.kv_cache_dtype``: the model's
+    dtype for ``auto``, ``float8_e4m3fn`` for ``fp8`` (one byte: a bfloat16 model's
+    memory holds twice the tokens)."""
+    return FP8_KV_DTYPE if setting == "fp8" else model_dtype
+
+
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> list[KVCache]:
-    """Per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+    """Per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``
+    of ``dtype`` (``kv_cache_dtype``: the model's dtype, or ``float8_e4m3fn``)."""
     shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(cfg.num_layers)]
@@ -103,8 +113,10 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = settings.block_size
         self.num_blocks = num_blocks
-        self.kv_caches = allocate_kv_cache(self.cfg, num_blocks, self.block_size, dtype, device)
-        self.backend = select_backend(settings.attention_backend, device)
+        self.kv_caches = allocate_kv_cache(self.cfg, num_blocks, self.block_size,
+                                           kv_cache_dtype(settings.kv_cache_dtype, dtype), device)
+        self.backend = select_backend(settings.attention_backend, device, settings.kv_cache_dtype)
+        model.check_backend(self.backend)  # e.g. a sliding window the backend cannot honour
         self.sampler = Sampler(device, seed)
         self.grammar_masks = GrammarMasks(self.cfg.vocab_size, device)
         self.max_model_len = max_model_len
@@ -115,14 +127,15 @@ class ModelRunner:
         self.graph_memory_bytes = 0  # device memory the graphs and warm-up kept
         if device.type == "cuda" and not settings.enforce_eager and self.backend.name == "triton":
             self._capture(settings)
-        log.info("model runner: %d KV blocks of %d tokens, %s attention, %s on %s, decode graphs %s, "
-                 "mixed-step graphs %s", num_blocks, self.block_size, self.backend.name, dtype, device,
+        log.info("model runner: %d KV blocks of %d tokens (%s), %s attention, %s on %s, decode graphs %s, "
+                 "mixed-step graphs %s", num_blocks, self.block_size, self.kv_caches[0][0].dtype,
+                 self.backend.name, dtype, device,
                  self.graphs.buckets if self.graphs else "off", self.mixed.buckets if self.mixed else "off")
 
     def _capture(self, settings: EngineSettings) -> None:
         """Capture the mixed-step graphs (largest activations first) and the decode
-        graphs into one memory pool, then warm the sampler up, and log the time and the
-        memory the graphs took."""
+        graphs into one memory pool, then warm the sampler and the eager path of prompt
+        logprobs up, and log the time and the memory the graphs took."""
         t0 = time.perf_counter()
         torch.cuda.empty_cache()  # so that free memory counts only what the graphs keep
         free_before = torch.cuda.mem_get_info(self.device)[0]
@@ -137,6 +150,12 @@ class ModelRunner:
                                    self.max_model_len, self.device)
         self.graphs.capture(pool)
         self.sampler.warm_up(settings.max_num_seqs, self.cfg.vocab_size)
+        for step in warm_up_steps(settings.max_num_seqs, settings.max_num_batched_tokens, self.block_size,
+                                  self.num_blocks):
+            self.execute(step)  # the eager path that prompt logprobs take
+            for item in step:
+                self.sampler.free(item.request.request_id)
+        self.num_eager_steps = 0
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # the eager warm-up passes' blocks, cached for the side stream
         self.capture_time_s = time.perf_counter() - t0
@@ -150,11 +169,29 @@ class ModelRunner:
         buffers sized exactly for it (the eager path)."""
         max_blocks = max(len(item.request.block_table) for item in batch)
         num_tokens = sum(item.num_tokens for item in batch)
-        inputs = StepInputs(num_tokens, len(batch), max_blocks, self.block_size, self.device)
+        inputs = StepInputs(num_tokens, len(batch), max_blocks, self.block_size, self.device, max_sampled=num_tokens)
         shape = inputs.fill(batch)
         inputs.upload()
         return inputs.views(num_tokens, len(batch), shape.num_sampled, shape.max_query_len, shape.max_seq_len,
                             shape)
+
+    def _eager_inputs(self, batch: Sequence[ScheduledRequest]
+                      ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """``prepare``'s tuple for an eager step. With the mixed-step graphs, a step that
+        fits them (one that scores prompt logprobs) is packed as a replay would be: the
+        graphs' buffers, tokens padded to the bucket, ``max_num_seqs`` sequences, their
+        hints; so its Triton kernels get the arguments they were compiled for at capture
+        (Triton specialises on integer values and pointer alignment), and nothing compiles
+        when such a request first comes. Its hidden rows past the step's tokens are padding."""
+        mixed = self.mixed
+        num_tokens = sum(item.num_tokens for item in batch)
+        if mixed is None or not mixed.fits(num_tokens, len(batch)):
+            return self.prepare(batch)
+        bucket = next(b for b in mixed.buckets if b >= num_tokens)
+        shape = mixed.inputs.fill(batch, pad_tokens_to=bucket)
+        mixed.inputs.upload()
+        return mixed.inputs.views(bucket, mixed.max_num_seqs, shape.num_sampled, max_query_len=bucket,
+                                  max_seq_len=mixed.max_seq_len)
 
     def _decode_logits(self, requests: Sequence[Request], positions: Sequence[int],
                        input_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -210,48 +247,94 @@ class ModelRunner:
         Returns:
             The launch; ``DecodeLaunch.token_ids()`` waits for and returns the sampled ids.
         """
-        ids, raw = self._sample(self._decode_logits(requests, positions, input_ids), requests)
+        return self.launch_sample(self.launch_forward(requests, positions, input_ids), requests)
+
+    @torch.inference_mode()
+    def launch_forward(self, requests: Sequence[Request], positions: Sequence[int],
+                       input_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """The first half of ``launch_decode``: enqueue the forward pass only and return
+        its logits ``[n, vocab]`` float32 on the device, not synchronised. The engine
+        applies the previous step's tokens to the grammars while the GPU runs this, then
+        samples under masks that follow them (``launch_sample``)."""
+        return self._decode_logits(requests, positions, input_ids)
+
+    @torch.inference_mode()
+    def launch_sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> DecodeLaunch:
+        """The second half of ``launch_decode``: sample ``logits`` (``launch_forward``'s)
+        under the requests' grammar masks, filled now on the host, and enqueue the ids'
+        copy to the host without waiting."""
+        ids, raw = self._sample(logits, requests)
         assert raw is None, "requests with logprobs take the synchronous path (LLMEngine._async_decode_ok)"
         return DecodeLaunch(ids)
 
     @torch.inference_mode()
     def execute(self, batch: Sequence[ScheduledRequest]
-                ) -> tuple[list[int | None], list[TokenLogprobs | None], list[list[TokenLogprobs] | None]]:
+                ) -> tuple[list[int | list[int] | None], list[TokenLogprobs | None], list[list[TokenLogprobs] | None]]:
         """Run one step. Returns, per scheduled request, its sampled token or ``None``
-        (a partial prefill chunk samples nothing), its token's logprobs or ``None``
+        (a partial prefill chunk samples nothing) or, for a speculative item
+        (``num_spec_tokens > 0``), its accepted drafts and the target's token
+        (``spec_decode.verify``), its token's logprobs or ``None``
         (it samples nothing or did not ask), and the prompt logprobs of the positions its
         chunk scored or ``None`` (``prompt_logprobs.prompt_spans``: it did not ask, or has
         them all). A step with prompt positions to score runs eagerly: the graphs keep
-        the hidden rows of the sampled tokens only."""
+        the hidden rows of the sampled tokens only. So does a speculative step: the
+        graphs keep one row per sequence, and the decode graphs take one token each."""
         sampled_items = [item for item in batch if item.samples]
         spans = prompt_spans(batch)
         prompt: list[list[TokenLogprobs] | None] = [None] * len(batch)
         logits: torch.Tensor | None = None
-        if not spans and self.can_launch_decode(len(batch)) and all(
+        speculative = any(item.num_spec_tokens for item in batch)
+        if not spans and not speculative and self.can_launch_decode(len(batch)) and all(
                 item.num_tokens == 1 and item.samples for item in batch):
             requests = [item.request for item in batch]
             logits = self._decode_logits(requests, *decode_inputs(requests))
-        elif not spans and self.mixed is not None and self.mixed.fits(sum(item.num_tokens for item in batch),
+        elif not spans and not speculative and self.mixed is not None and self.mixed.fits(sum(item.num_tokens for item in batch),
                                                                       len(batch)):
             rows = self.mixed.run(batch)
             if sampled_items:
                 logits = self.model.compute_logits(rows)
         else:
             self.num_eager_steps += 1
-            input_ids, positions, meta, logits_indices = self.prepare(batch)
+            input_ids, positions, meta, logits_indices = self._eager_inputs(batch)
             hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
             if spans:
                 prompt = compute_prompt_logprobs(hidden, self.model.compute_logits, batch, spans)
             if sampled_items:
-                if len(sampled_items) < hidden.shape[0]:
+                if logits_indices.shape[0] < hidden.shape[0]:
                     hidden = hidden.index_select(0, logits_indices)
                 logits = self.model.compute_logits(hidden)
-        tokens: list[int] = []
+        tokens: list[int | list[int]] = []
         logprobs: list[TokenLogprobs | None] = []
-        if logits is not None:  # the step's one synchronisation: the ids' copy to the host
+        if logits is not None and speculative:
+            tokens = self._verify(logits, sampled_items)
+            logprobs = [None] * len(tokens)
+        elif logits is not None:  # the step's one synchronisation: the ids' copy to the host
             ids, raw = self._sample(logits, [item.request for item in sampled_items])
             tokens = ids.tolist()
             logprobs = raw.fetch() if raw is not None else [None] * len(tokens)
         it, lps = iter(tokens), iter(logprobs)
         return ([next(it) if item.samples else None for item in batch],
                 [next(lps) if item.samples else None for item in batch], prompt)
+
+    def _verify(self, logits: torch.Tensor, items: Sequence[ScheduledRequest]) -> list[int | list[int]]:
+        """Tokens of a speculative step's sampled items from their logits rows (one per
+        plain item, ``1 + num_spec_tokens`` per speculative one, in order): plain rows
+        go through ``_sample`` together, each speculative item through
+        ``spec_decode.verify`` against ``Sampler.target_probs``."""
+        sizes = [1 + item.num_spec_tokens for item in items]
+        starts = [sum(sizes[:i]) for i in range(len(items))]
+        plain = [i for i, item in enumerate(items) if not item.num_spec_tokens]
+        out: list[int | list[int]] = [0] * len(items)
+        if plain:
+            rows = host_list_to_device([starts[i] for i in plain], torch.int64, logits.device)
+            ids, raw = self._sample(logits.index_select(0, rows), [items[i].request for i in plain])
+            assert raw is None, "requests with logprobs are not speculated (NgramProposer.eligible)"
+            for i, t in zip(plain, ids.tolist()):
+                out[i] = t
+        for i, item in enumerate(items):
+            if item.num_spec_tokens:
+                r = item.request
+                probs, argmax = self.sampler.target_probs(logits[starts[i]:starts[i] + sizes[i]], r.sampling)
+                out[i] = verify(probs, argmax, r.spec_token_ids[:item.num_spec_tokens],
+                                self.sampler.generator(r.request_id, r.sampling), r.sampling.seed is not None)
+        return out

@@ -11,7 +11,10 @@ mid-prefill computes them again) are skipped. The logits are taken ``MAX_ROWS`` 
 time, so a long chunk holds at most ``[MAX_ROWS, vocab]`` float32 logits.
 
 Such steps run eagerly (``ModelRunner.execute``): the CUDA graphs keep the hidden rows
-of the sampled tokens only. Requests that do not ask pay nothing.
+of the sampled tokens only. Requests that do not ask pay nothing. On CUDA the first
+request that asks compiles nothing (it took 1.7 s of Triton compiles on the H100): the
+runner packs such steps as a mixed-step graph replay would be packed
+(``ModelRunner._eager_inputs``), and runs ``warm_up_steps`` at start-up.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from shared.protocol import TokenLogprobs
+from shared.sampling import SamplingParams
+from worker.engine.request import Request
 from worker.engine.scheduler import ScheduledRequest
 
 #: Positions whose logits are materialised at once: 512 x 152k float32 (Qwen2.5) is 0.3 GB.
@@ -96,3 +101,29 @@ def compute_prompt_logprobs(hidden: torch.Tensor, compute_logits: Callable[[torc
                        for j in range(at, at + s.num)]
         at += s.num
     return out
+
+
+def warm_up_steps(max_num_seqs: int, max_num_batched_tokens: int, block_size: int,
+                  num_blocks: int) -> list[list[ScheduledRequest]]:
+    """Two small steps that score prompt logprobs (a chunk alone, and one beside a decode
+    token), for the runner to execute at start-up: they load the torch kernels of
+    ``compute_prompt_logprobs`` (log-softmax, gather, top-k) and the LM head's plans for a
+    row count the graphs do not use. The Triton kernels need none: on CUDA such steps
+    take the mixed-step graphs' padded inputs (``ModelRunner._eager_inputs``), the ones
+    they were compiled for. Fresh greedy requests over blocks ``0 ..``, ``prompt_logprobs
+    = 1``: run them before any real request owns a block (their KV is overwritten by the
+    requests that follow)."""
+    steps: list[list[ScheduledRequest]] = []
+    for shape in ([7], [5, 1]):
+        if sum(shape) > max_num_batched_tokens or len(shape) > max_num_seqs or len(shape) > num_blocks:
+            continue
+        step = []
+        for i, num in enumerate(shape):
+            decode = i > 0  # a running request's decode token beside the chunk
+            prompt_len = 2 if decode else num
+            sampling = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=None if decode else 1)
+            request = Request(f"warm-up-{i}", [1] * prompt_len, sampling, num_computed_tokens=prompt_len - 1 if decode
+                              else 0, block_table=[i], prompt_logprobs=None if decode else [])
+            step.append(ScheduledRequest(request, num))
+        steps.append(step)
+    return steps

@@ -55,6 +55,10 @@ class Request:
     and has not delivered them, the entries gathered so far (entry ``i`` scores
     ``prompt_token_ids[i + 1]``; chunked prefill adds to it); ``None`` otherwise (not
     asked, a failover continuation, or already delivered with its first token).
+    ``priority``: the class rank (``GenerateRequest.priority``), lower served first; the
+    scheduler keeps its queues in class order and preempts for a lower number only.
+    ``spec_token_ids``: draft tokens proposed for the next step (speculative decoding,
+    ``worker/engine/spec_decode.py``), not part of ``token_ids``; ``[]``: none.
     """
 
     request_id: str
@@ -62,6 +66,7 @@ class Request:
     sampling: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     arrival_s: float = field(default_factory=time.monotonic)
+    priority: int = 0
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -71,6 +76,7 @@ class Request:
     grammar: GrammarMatcher | None = None
     block_hashes: list[int] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] | None = None
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

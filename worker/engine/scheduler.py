@@ -11,6 +11,15 @@ tokens, the most recently admitted running request is preempted: its blocks are 
 and it goes back to the head of the waiting queue, to be recomputed later (preemption
 by recompute, vLLM's default).
 
+Priority classes (``Request.priority``, lower served first, as vLLM's ``priority``):
+both queues are kept in class order, arrival (waiting) or admission (running) order
+within a class, so every rule above applies per class: waiting requests are admitted
+in (priority, arrival) order, a preempted request goes back to the head of its class,
+and the running request preempted for KV space is the lowest class's most recently
+admitted. A waiting request that finds no sequence slot or KV blocks preempts running
+requests of a strictly lower class (``_preempt_for``), lowest first, until it fits;
+never one of its own class, so with one class this is plain FCFS.
+
 The scheduler owns the block manager: the engine asks it, not the block manager, how
 many requests to admit (``num_admittable``) and whether a decode step may follow one
 still in flight (``can_schedule_next_decode`` / ``schedule_next_decode``).
@@ -21,25 +30,42 @@ The scheduler imports no torch and no redis: tests drive it with hand-made outpu
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from worker.backends.base import EngineStats
 from worker.engine.block_manager import BlockManager
 from worker.engine.request import Request, RequestStatus
 
+#: The prefill cap's floor (``Scheduler._prefill_budget``), tokens: a step of this many
+#: prompt tokens already runs near the GPU's matmul rate (docs/benchmarks.md: 81% on the
+#: H100 at 512-token prompts), so a smaller cap would only add steps while few sequences
+#: decode (a start-up ramp), each reading every weight once more.
+MIN_PREFILL_TOKENS = 512
+
 
 @dataclass(slots=True)
 class ScheduledRequest:
-    """One request in a step and how many of its tokens the step computes."""
+    """One request in a step and how many of its tokens the step computes.
+    ``num_spec_tokens``: how many of them are draft tokens to verify (the last ones,
+    ``request.spec_token_ids``; speculative decoding), 0 otherwise."""
 
     request: Request
     num_tokens: int
+    num_spec_tokens: int = 0
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the end of the request's tokens, so the step
         samples its next token (partial prefill chunks do not)."""
-        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+        return self.request.num_computed_tokens + self.num_tokens - self.num_spec_tokens == self.request.num_tokens
+
+    def input_token_ids(self) -> list[int]:
+        """The step's input tokens of this request: its tokens from
+        ``num_computed_tokens`` on, then its drafts."""
+        r, start = self.request, self.request.num_computed_tokens
+        ids = r.token_ids[start:start + self.num_tokens - self.num_spec_tokens]
+        return ids + r.spec_token_ids[:self.num_spec_tokens] if self.num_spec_tokens else ids
 
 
 @dataclass(slots=True)
@@ -70,10 +96,15 @@ class StepResult:
 class Scheduler:
     """Decides each step's batch; owns the block manager and the request queues."""
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 prefill_tokens_per_decode: int = 0) -> None:
+        """``prefill_tokens_per_decode``: in a step that carries decodes, the prefill chunks
+        (new admissions and unfinished prefills) get at most this many tokens per decoding
+        sequence, and at least one block (0: no cap; ``EngineSettings``)."""
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_tokens_per_decode = prefill_tokens_per_decode
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -99,7 +130,7 @@ class Scheduler:
                              f"({request.sampling.max_tokens}) needs {num_blocks} KV blocks of "
                              f"{bm.block_size} tokens; this worker's cache has {bm.num_blocks}")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        _insert_in_class(self.waiting, request, ahead=False)
 
     def abort(self, request_id: str) -> Request | None:
         """Finish a request as aborted and free its blocks; unknown ids are ignored."""
@@ -118,22 +149,32 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.requests)
 
-    def num_admittable(self) -> int:
+    def num_admittable(self, priority: int | None = None) -> int:
         """How many new requests the worker may pull now: free sequence slots
         (``max_num_seqs`` minus running and waiting requests), as long as the free KV
         blocks exceed what the waiting requests still need plus one block of growth per
         running request (0 otherwise). Pulling no more than this keeps unstarted work in
-        Redis, where another worker can take it."""
+        Redis, where another worker can take it.
+
+        With ``priority``, the same for new requests of that class (or a higher one):
+        running and waiting requests of a strictly lower class count as room, their slots
+        free and their blocks (about: shared prefix blocks stay held) too, since such a
+        request would preempt or pass them. ``None``: every request counts, as before.
+        """
         bm = self.block_manager
-        slots = self.max_num_seqs - len(self.running) - len(self.waiting)
-        reserved = sum(bm.blocks_needed(r, r.num_tokens - r.num_computed_tokens) for r in self.waiting)
-        return max(0, slots) if bm.num_free_blocks > reserved + len(self.running) else 0
+        ahead = [r for r in self.running if priority is None or r.priority <= priority]
+        waiting = [r for r in self.waiting if priority is None or r.priority <= priority]
+        slots = self.max_num_seqs - len(ahead) - len(waiting)
+        preemptible = sum(len(r.block_table) for r in self.running if priority is not None and r.priority > priority)
+        reserved = sum(bm.blocks_needed(r, r.num_tokens - r.num_computed_tokens) for r in waiting)
+        return max(0, slots) if bm.num_free_blocks + preemptible > reserved + len(ahead) else 0
 
     # -- one step -----------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts, allocating their blocks."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        prefill_budget = self._prefill_budget()
         scheduled_ids: set[str] = set()
         bm = self.block_manager
 
@@ -141,6 +182,21 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            # A decode with drafts verifies them in the same step, as far as the budget
+            # and the free blocks go: a block stays free for each running request after
+            # this one, so drafts never cause a preemption.
+            num_spec = min(len(request.spec_token_ids), budget - 1) if num_new == 1 else 0
+            if num_spec > 0 and (bm.blocks_needed(request, 1 + num_spec) + len(self.running) - i - 1
+                                 > bm.num_free_blocks):
+                num_spec = 0
+            if num_spec > 0:
+                num_new += num_spec
+            elif num_new > 1:  # an unfinished prefill: its chunk counts against the prefill cap
+                num_new = min(num_new, prefill_budget)
+                if num_new == 0:
+                    i += 1
+                    continue
+                prefill_budget -= num_new
             while not bm.can_allocate(request, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -149,29 +205,44 @@ class Scheduler:
                     break
             else:
                 bm.allocate(request, num_new)
-                out.scheduled.append(ScheduledRequest(request, num_new))
+                out.scheduled.append(ScheduledRequest(request, num_new, num_spec))
                 scheduled_ids.add(request.request_id)
                 budget -= num_new
                 i += 1
                 continue
             break  # the request itself was preempted; everything after it too
 
-        # Admit waiting requests, in order, only when nothing was preempted this step: a
-        # cache that just ran out would thrash otherwise. One whose next block a running
-        # request is computing waits a step (``_defer``) and lets later ones pass.
+        # Admit waiting requests, in class order, only when the running requests
+        # preempted nothing this step: a cache that just ran out would thrash otherwise.
+        # One whose next block a running request is computing waits a step (``_defer``)
+        # and lets later ones pass. One that finds no slot or blocks preempts running
+        # requests of a lower class (``_preempt_for``); after that only classes above
+        # every request preempted so far are admitted, so no victim comes straight back.
+        if out.preempted:
+            return out
         i = 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+        while i < len(self.waiting) and min(budget, prefill_budget) > 0:
             request = self.waiting[i]
-            if not request.block_table:
-                # A request that asks for prompt logprobs computes every prompt position:
-                # a cached block has no logits (vLLM v1 skips the lookup too).
-                cached = [] if request.prompt_logprobs is not None else bm.find_cached_prefix(request)
-                if self._defer(request, len(cached)):
-                    i += 1
-                    continue
-                bm.allocate_prefix(request, cached)
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not bm.can_allocate(request, num_new):
+            if out.preempted and request.priority >= min(r.priority for r in out.preempted):
+                break
+            # A request that asks for prompt logprobs computes every prompt position: a
+            # cached block has no logits (vLLM v1 skips the lookup too).
+            cached = [] if request.prompt_logprobs is not None else bm.find_cached_prefix(request)
+            if self._defer(request, len(cached)):
+                i += 1
+                continue
+            if len(self.running) >= self.max_num_seqs:
+                refund = self._preempt_for(request, out)
+                if refund is None:
+                    break
+                budget += refund
+            bm.allocate_prefix(request, cached)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget, prefill_budget)
+            fits = bm.can_allocate(request, num_new)
+            while not fits and (refund := self._preempt_for(request, out)) is not None:
+                budget += refund
+                fits = bm.can_allocate(request, num_new)
+            if not fits:
                 # A waiting request holds no blocks: the cached prefix it was just given
                 # goes back (it stays cached), or two waiting requests could hold every
                 # block with nothing running, and every later step would be empty.
@@ -184,18 +255,39 @@ class Scheduler:
                 bm.record_admission(request)
             del self.waiting[i]
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            _insert_in_class(self.running, request, ahead=False)
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+            prefill_budget -= num_new
         return out
 
-    def update(self, out: SchedulerOutput, sampled: list[int | None]) -> tuple[list[StepResult], list[Request]]:
+    def _prefill_budget(self) -> int:
+        """Most prefill tokens this step may carry: ``prefill_tokens_per_decode`` per
+        running request that decodes (one new token), and at least ``MIN_PREFILL_TOKENS``;
+        unbounded with no decode or no cap. A mixed step then takes a bounded multiple of
+        a decode step's time, so decoding sequences see no inter-token spike when a long
+        prompt arrives (Sarathi-Serve's stall-free batching, Agrawal et al., OSDI 2024,
+        sizes chunks for a latency target the same way)."""
+        if self.prefill_tokens_per_decode <= 0:
+            return self.max_num_batched_tokens
+        num_decodes = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        if num_decodes == 0:
+            return self.max_num_batched_tokens
+        return max(MIN_PREFILL_TOKENS, self.prefill_tokens_per_decode * num_decodes)
+
+    def update(self, out: SchedulerOutput, sampled: Sequence[int | list[int] | None]
+               ) -> tuple[list[StepResult], list[Request]]:
         """Apply a step's results.
+
+        A speculative item (``num_spec_tokens > 0``) gets a list: its accepted drafts,
+        then the target model's token. Only the accepted drafts' KV counts as computed;
+        the rejected ones' positions are rolled back and the blocks that hold none of
+        the kept positions are freed (``BlockManager.free_tail``).
 
         Args:
             out: the step's ``SchedulerOutput``.
-            sampled: one entry per ``out.scheduled``: the sampled token id, or ``None``
-                for a partial prefill chunk.
+            sampled: one entry per ``out.scheduled``: the sampled token id, the list of
+                a speculative item, or ``None`` for a partial prefill chunk.
 
         Returns:
             ``(results, finished)``: new tokens per request that got one, and the
@@ -207,13 +299,32 @@ class Scheduler:
             request = item.request
             if request.status.finished:  # aborted, or stopped, while this step was in flight
                 continue
-            request.num_computed_tokens += item.num_tokens
-            self.block_manager.cache_full_blocks(request)
-            if token is None:
-                continue
+            tokens = [token] if isinstance(token, int) else token
+            request.spec_token_ids = []
             first_index = request.num_output_tokens
-            request.append_token(token)
-            results.append(StepResult(request, [token], first_index))
+            if item.num_spec_tokens:
+                assert tokens is not None and 1 <= len(tokens) <= item.num_spec_tokens + 1, tokens
+                # The input token's and the accepted drafts' KV stay; the rest is rolled back.
+                request.num_computed_tokens += item.num_tokens - item.num_spec_tokens + len(tokens) - 1
+                self.block_manager.free_tail(request)
+                appended = []
+                for t in tokens:  # a stop among the accepted drafts ends the request there
+                    request.append_token(t)
+                    appended.append(t)
+                    if request.status.finished:
+                        break
+                if not request.status.finished:  # the accepted drafts are in token_ids now
+                    self.block_manager.cache_full_blocks(request)
+                    self.block_manager.free_outside_window(request)
+                results.append(StepResult(request, appended, first_index))
+            else:
+                request.num_computed_tokens += item.num_tokens
+                self.block_manager.cache_full_blocks(request)
+                self.block_manager.free_outside_window(request)  # sliding-window models only
+                if tokens is None:
+                    continue
+                request.append_token(tokens[0])
+                results.append(StepResult(request, tokens, first_index))
             if request.status.finished:
                 self.running.remove(request)
                 self._finish(request)
@@ -224,7 +335,9 @@ class Scheduler:
     def can_schedule_next_decode(self, out: SchedulerOutput) -> bool:
         """True when the step after ``out``, whose sampled tokens are not applied yet,
         is one more decode token for the same requests: nothing waits to be admitted (or
-        no sequence slot is free to admit it: ``max_num_seqs`` are running), none of
+        no sequence slot is free to admit it: ``max_num_seqs`` are running, and no
+        waiting request is of a higher class than a running one, which it could
+        preempt), none of
         them finished, was aborted or will reach ``max_tokens`` with the token
         in flight, and the KV cache has blocks for two more positions each (the
         in-flight token's and the next one's). ``max_tokens`` also keeps them within
@@ -232,6 +345,8 @@ class Scheduler:
         requests = [item.request for item in out.scheduled]
         if (self.waiting and len(self.running) < self.max_num_seqs) or len(requests) != len(self.running):
             return False
+        if self.waiting and self.running and self.waiting[0].priority < self.running[-1].priority:
+            return False  # it may preempt a running request of a lower class
         if any(r.status != RequestStatus.RUNNING or r.num_output_tokens + 1 >= r.sampling.max_tokens
                for r in requests):
             return False
@@ -286,11 +401,33 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        request.spec_token_ids = []
         self._release(request)
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(request)
+        _insert_in_class(self.waiting, request, ahead=True)
         self.num_preemptions += 1
+
+    def _preempt_for(self, request: Request, out: SchedulerOutput) -> int | None:
+        """Preempt the last running request (the lowest class's most recently admitted)
+        if its class is strictly below the waiting ``request``'s (a larger ``priority``),
+        to make room for it; a victim already scheduled in ``out`` is taken out of it.
+
+        Returns:
+            The victim's tokens scheduled in ``out`` (0 if none), for the caller to give
+            back to the step's budget; ``None`` when no running request is of a lower
+            class (nothing was preempted).
+        """
+        if not self.running or self.running[-1].priority <= request.priority:
+            return None
+        victim = self.running[-1]
+        self._preempt(victim)
+        out.preempted.append(victim)
+        for k, item in enumerate(out.scheduled):
+            if item.request is victim:
+                del out.scheduled[k]
+                return item.num_tokens
+        return 0
 
     def _release(self, request: Request) -> None:
         """Free a waiting request's blocks; it recomputes (or re-finds cached) from 0."""
@@ -301,3 +438,20 @@ class Scheduler:
     def _finish(self, request: Request) -> None:
         self.block_manager.free(request)
         del self.requests[request.request_id]
+
+
+def _insert_in_class(queue: deque[Request] | list[Request], request: Request, *, ahead: bool) -> None:
+    """Insert ``request`` into ``queue``, which is kept in class order (lower
+    ``priority`` first): behind every request of its class (a new arrival or admission:
+    FCFS within the class), or with ``ahead`` in front of them (a preempted request
+    resumes before its class's later arrivals, as it did before classes existed). Scans
+    from the end where the place is (the front with ``ahead``), so with one class it
+    costs O(1)."""
+    p = request.priority
+    if ahead:
+        i = next((k for k, r in enumerate(queue) if r.priority >= p), len(queue))
+    else:
+        i = len(queue)
+        while i > 0 and queue[i - 1].priority > p:
+            i -= 1
+    queue.insert(i, request)

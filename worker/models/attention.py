@@ -1,8 +1,13 @@
 """Attention over the paged KV cache as the model sees it: metadata of a flat batch and
-the backend that writes new K/V and attends (PyTorch reference, CPU kernel or Triton)."""
+the backend that writes new K/V and attends (PyTorch reference, CPU kernel or Triton).
+
+With an fp8 cache (``--kv-cache-dtype fp8``) the backend quantizes on write and
+dequantizes on read with its ``k_scale``/``v_scale``: 1.0 for every layer, vLLM's default
+without calibration (see docs/operations.md, "FP8 KV cache")."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +15,14 @@ import torch
 from kernels.cpu_attention import decode_attention
 from kernels.kv_cache_write import kv_cache_write_ref
 from kernels.paged_attention import paged_attention_ref
+
+log = logging.getLogger(__name__)
+
+#: Per-tensor scales of an fp8 KV cache, the same for every layer: entries are ``x / scale``.
+#: 1.0 as vLLM without calibration: K and V of the Llama-family models we serve stay far
+#: inside e4m3's ±448 (SmolLM2-135M, 2,000 tokens: max |K| 33.5, max |V| 14.9, measured by
+#: bench/fp8_kv_quality.py), and a fixed value needs no calibration pass or graph recapture.
+DEFAULT_KV_SCALE = 1.0
 
 
 @dataclass(slots=True)
@@ -63,16 +76,27 @@ class TorchAttentionBackend:
 
     name = "torch"
     fused_ops: frozenset[str] = frozenset()  # the model runs its plain PyTorch ops
+    k_scale = v_scale = DEFAULT_KV_SCALE  # fp8 cache only
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                 scale: float) -> torch.Tensor:
+                 scale: float, sliding_window: int | None = None) -> torch.Tensor:
         """Write ``k, v`` (``[T, num_kv_heads, head_dim]``) to the cache, then attend
-        with ``q`` (``[T, num_heads, head_dim]``); returns ``[T, num_heads, head_dim]``."""
-        kv_cache_write_ref(k, v, k_cache, v_cache, meta.slot_mapping, meta.has_padding)
+        with ``q`` (``[T, num_heads, head_dim]``); returns ``[T, num_heads, head_dim]``.
+
+        ``sliding_window``: ``None`` (full causal attention) or ``w >= 1`` (this layer's
+        window): the query at position ``p`` sees keys ``p - w < k <= p`` only, as
+        transformers masks them; see ``kernels/paged_attention.py``.
+
+        Raises:
+            ValueError: bad shapes or dtypes, or a ``sliding_window`` that is not ``None``
+                or a positive int.
+        """
+        kv_cache_write_ref(k, v, k_cache, v_cache, meta.slot_mapping, meta.has_padding, self.k_scale, self.v_scale)
         return paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                    meta.seq_lens, scale, query_lens_cpu=meta.query_lens_cpu,
-                                   seq_lens_cpu=meta.seq_lens_cpu, key=k, value=v)
+                                   seq_lens_cpu=meta.seq_lens_cpu, key=k, value=v, sliding_window=sliding_window,
+                                   k_scale=self.k_scale, v_scale=self.v_scale)
 
 
 class CpuAttentionBackend:
@@ -85,17 +109,19 @@ class CpuAttentionBackend:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                 scale: float) -> torch.Tensor:
+                 scale: float, sliding_window: int | None = None) -> torch.Tensor:
         """Same contract as ``TorchAttentionBackend.__call__``."""
         kv_cache_write_ref(k, v, k_cache, v_cache, meta.slot_mapping, meta.has_padding)
         out = torch.empty_like(q)
         index = decode_index(meta)
         if index is not None:
-            decode_attention(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, *index, scale)
+            decode_attention(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, *index, scale,
+                             sliding_window)
         if index is None or index[0].numel() < meta.seq_lens.numel():
             paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                                 scale, out=out, query_lens_cpu=meta.query_lens_cpu,
-                                seq_lens_cpu=meta.seq_lens_cpu, key=k, value=v, skip_decode=True)
+                                seq_lens_cpu=meta.seq_lens_cpu, key=k, value=v, skip_decode=True,
+                                sliding_window=sliding_window)
         return out
 
 
@@ -107,6 +133,7 @@ class TritonAttentionBackend:
     #: "rmsnorm" (residual add + RMSNorm), "rotary", "silu_mul". An instance attribute
     #: so that benchmarks can compare subsets (recapture CUDA graphs after a change).
     ALL_FUSED_OPS = frozenset({"rmsnorm", "rotary", "silu_mul"})
+    k_scale = v_scale = DEFAULT_KV_SCALE  # fp8 cache only
 
     def __init__(self, fused_ops: frozenset[str] | None = None) -> None:
         self.fused_ops = self.ALL_FUSED_OPS if fused_ops is None else frozenset(fused_ops)
@@ -118,26 +145,35 @@ class TritonAttentionBackend:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                 scale: float) -> torch.Tensor:
+                 scale: float, sliding_window: int | None = None) -> torch.Tensor:
         """Same contract as ``TorchAttentionBackend.__call__``."""
-        self._write(k, v, k_cache, v_cache, meta.slot_mapping)
+        self._write(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         return self._attend(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                            scale, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)
+                            scale, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+                            sliding_window=sliding_window, k_scale=self.k_scale, v_scale=self.v_scale)
 
 
 AttentionBackend = TorchAttentionBackend | CpuAttentionBackend | TritonAttentionBackend
 
 
-def select_backend(name: str, device: torch.device) -> AttentionBackend:
+def select_backend(name: str, device: torch.device, kv_cache_dtype: str = "auto") -> AttentionBackend:
     """``auto`` picks Triton on CUDA when it imports, the CPU kernel on CPU when it builds
     (a C++ compiler and ninja; the first build takes about a minute), else the PyTorch
-    reference.
+    reference. With ``kv_cache_dtype="fp8"`` ``auto`` never picks the CPU kernel (it reads
+    float32/bfloat16 caches only): the reference dequantizes fp8 in its gather instead.
 
     Raises:
-        ValueError: ``triton`` or ``cpu`` asked for where it cannot run.
+        ValueError: ``triton`` or ``cpu`` asked for where it cannot run, or ``cpu`` with
+            an fp8 cache.
     """
     from kernels import cpu_extension, triton_available
 
+    if kv_cache_dtype == "fp8" and name in ("cpu", "auto") and device.type == "cpu":
+        if name == "cpu":
+            raise ValueError("the cpu attention backend has no fp8 KV cache; use --attention-backend torch "
+                             "(or auto) with --kv-cache-dtype fp8, or --kv-cache-dtype auto")
+        log.info("fp8 KV cache on CPU: the torch attention backend (the cpu kernel reads no fp8)")
+        return TorchAttentionBackend()
     if name == "cpu" or (name == "auto" and device.type == "cpu"):
         if device.type == "cpu" and cpu_extension.available():
             return CpuAttentionBackend()

@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.models.fp8 import FP8_DTYPE, dequantize_rows, fake_quantize_rows, fp8_linear, quantize_rows
+
 #: Rows (tokens) up to which a packed weight is always used.
 PACKED_MAX_ROWS = 256
 #: No row limit: the packed weight is used for every step.
@@ -135,14 +137,46 @@ def choose_max_rows(weight: torch.Tensor, rows: int = CALIBRATION_ROWS,
 
 class Linear(nn.Linear):
     """``nn.Linear`` that uses a prepacked oneDNN weight on CPU once ``prepack`` has been
-    called (after the weights are loaded; call again if they change)."""
+    called (after the weights are loaded; call again if they change), and that can hold
+    its weight in FP8 (``to_fp8``; ``worker/models/fp8.py``)."""
 
     packed: PackedWeight | None = None
+    #: ``dequantize_fp8`` ran: the weight is on the E4M3 grid in the model dtype, and
+    #: inputs are rounded through E4M3 per token (the CPU reference of the FP8 path).
+    fp8_reference: bool = False
 
     def prepack(self, max_rows: int = PACKED_MAX_ROWS) -> None:
         self.packed = pack_weight(self.weight, max_rows)
 
+    @property
+    def is_fp8(self) -> bool:
+        """Whether the weight is stored in FP8 (with ``weight_scale [out] float32``)."""
+        return self.weight.dtype == FP8_DTYPE
+
+    def to_fp8(self) -> None:
+        """Quantize the weight per output channel to E4M3 (``fp8.quantize_rows``): the
+        ``weight`` parameter becomes ``[out, in]`` float8_e4m3fn and a ``weight_scale``
+        parameter ``[out]`` float32 holds the scales (parameters, so the checkpoint loader
+        fills and checks them like any other)."""
+        q, scale = quantize_rows(self.weight.detach())
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale.view(-1), requires_grad=False)
+        self.packed = None
+
+    def dequantize_fp8(self, dtype: torch.dtype) -> None:
+        """Turn an FP8 weight back into ``dtype`` (its values stay on the E4M3 grid times
+        their scale) and round inputs through E4M3 from now on: the reference path."""
+        assert self.is_fp8, "dequantize_fp8 needs to_fp8 first"
+        weight = dequantize_rows(self.weight, self.weight_scale, dtype)
+        del self.weight_scale
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.fp8_reference = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_fp8:
+            return fp8_linear(x, self.weight, self.weight_scale, self.bias)
+        if self.fp8_reference:
+            x = fake_quantize_rows(x)
         return linear(x, self.weight, self.bias, self.packed)
 
 

@@ -1,4 +1,5 @@
-"""Build a ``LlamaForCausalLM`` and fill its weights from a HF folder or at random."""
+"""Build the decoder (``LlamaForCausalLM``, every family) and fill its weights from a HF
+folder or at random."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import torch
 from safetensors import safe_open
 
 from worker.models.config import ModelConfig
-from worker.models.linear import UNLIMITED_ROWS, packed_linear_error
-from worker.models.llama import LlamaForCausalLM
+from worker.models.fp8 import FP8_DTYPE, quantize_rows, scaled_mm_fits
+from worker.models.linear import UNLIMITED_ROWS, Linear, packed_linear_error
+from worker.models.llama import MLP, LlamaForCausalLM, RMSNorm
+from worker.models.moe import expert_row_ranges, hf_expert_target
 
 # HF name (after the "model." prefix is dropped) -> (our parameter, shard index) where
 # shard index says which slice of a fused parameter it fills (None: the whole tensor).
@@ -23,7 +26,10 @@ _FUSED = {
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
 log = logging.getLogger(__name__)
-_LAYER = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
+_LAYER = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias|weight_scale)$")
+#: Tensors of FP8 checkpoints that have no home: static activation scales (activations
+#: are scaled per token, ``worker/models/fp8.py``).
+_IGNORED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale")
 
 
 class WeightLoadError(RuntimeError):
@@ -53,7 +59,7 @@ def load_hf_weights(model: LlamaForCausalLM, folder: Path) -> None:
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open has keys() but is not iterable)
-                if "rotary_emb" in name:
+                if "rotary_emb" in name or name.endswith(_IGNORED_SUFFIXES):
                     continue
                 target, bounds = _map_name(cfg, name.removeprefix("model."))
                 if target is None:
@@ -62,7 +68,20 @@ def load_hf_weights(model: LlamaForCausalLM, folder: Path) -> None:
                     raise WeightLoadError(f"{file.name}: tensor {name} maps to unknown parameter {target}")
                 tensor = f.get_tensor(name)
                 param = params[target]
-                dest = param.data if bounds is None else param.data[bounds[0]:bounds[1]]
+                # Bounds of a stacked-experts parameter ([E, rows, cols]) index its first two dims merged.
+                rows = param.data.flatten(0, 1) if param.dim() == 3 else param.data
+                dest = param.data if bounds is None else rows[bounds[0]:bounds[1]]
+                if target.endswith(".weight_scale"):  # FP8: per-tensor ([] or [1]) or per-channel
+                    tensor = tensor.float().reshape(-1).expand(dest.shape) if tensor.numel() == 1 \
+                        else tensor.float().reshape(-1)
+                elif dest.dtype == FP8_DTYPE and tensor.dtype != FP8_DTYPE:  # a layer the checkpoint kept
+                    tensor, scale = quantize_rows(tensor)
+                    scales = params[f"{target}_scale"].data
+                    scales[slice(*bounds) if bounds else slice(None)] = scale.view(-1)
+                    filled.add(f"{target}_scale#{bounds}")
+                elif tensor.dtype == FP8_DTYPE and dest.dtype != FP8_DTYPE:
+                    raise WeightLoadError(f"{name} is saved in FP8 but {target} is kept in {dest.dtype} "
+                                          "(FP8 weights are supported for the attention and dense MLP projections)")
                 if dest.shape != tensor.shape:
                     raise WeightLoadError(f"{name}: shape {tuple(tensor.shape)} != {tuple(dest.shape)}")
                 dest.copy_(tensor.to(dest.dtype))
@@ -73,9 +92,12 @@ def load_hf_weights(model: LlamaForCausalLM, folder: Path) -> None:
         n = 3 if base.endswith("qkv_proj") else 2 if base.endswith("gate_up_proj") else 0
         if n:
             expected.update(f"{pname}#{_shard_bounds(cfg, base, i)}" for i in range(n))
+        elif experts := expert_row_ranges(cfg, pname):
+            expected.update(f"{pname}#{r}" for r in experts)
         else:
             expected.add(f"{pname}#None")
-    missing = expected - filled
+    # A parameter filled whole (e.g. transformers' stacked experts) needs none of its shards.
+    missing = {key for key in expected - filled if f"{key.split('#')[0]}#None" not in filled}
     if missing:
         raise WeightLoadError(f"parameters not in the checkpoint: {sorted(missing)[:5]} ...")
 
@@ -83,6 +105,9 @@ def load_hf_weights(model: LlamaForCausalLM, folder: Path) -> None:
 def _map_name(cfg: ModelConfig, name: str) -> tuple[str | None, tuple[int, int] | None]:
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
         return None, None
+    expert = hf_expert_target(cfg, name)
+    if expert is not None:
+        return expert
     m = _LAYER.match(name)
     if not m:
         return name, None
@@ -94,14 +119,16 @@ def _map_name(cfg: ModelConfig, name: str) -> tuple[str | None, tuple[int, int] 
 
 
 def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
-    """Random weights with the scale of trained ones (normal, std 0.02; norms 1)."""
+    """Random weights with the scale of trained ones (normal, std 0.02; norms scale by 1,
+    which is a weight of 0 for Gemma's ``1 + weight`` norms)."""
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
-    for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            param.data.fill_(1.0)
-        else:
-            param.data.normal_(0.0, 0.02, generator=gen)
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if isinstance(module, RMSNorm):
+                param.data.fill_(1.0 - module.offset)
+            else:
+                param.data.normal_(0.0, 0.02, generator=gen)
 
 
 def _prepack_and_log(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
@@ -119,23 +146,64 @@ def _prepack_and_log(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
                  dtype, packed_linear_error(dtype))
 
 
+def fp8_linears(model: LlamaForCausalLM) -> list[Linear]:
+    """The linears ``--quantization fp8`` stores in FP8: each layer's ``qkv_proj`` and
+    ``o_proj`` and a dense MLP's ``gate_up_proj`` and ``down_proj``, where their shapes fit
+    ``torch._scaled_mm`` (``fp8.scaled_mm_fits``). The embeddings, LM head, norms, the MoE
+    router and experts stay in the model dtype (``worker/models/fp8.py``)."""
+    out = []
+    for layer in model.layers:
+        mods = [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
+        if isinstance(layer.mlp, MLP):
+            mods += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
+        out += [m for m in mods if scaled_mm_fits(m.out_features, m.in_features)]
+    return out
+
+
 def build_model(cfg: ModelConfig, folder: Path | None, dummy: bool, dtype: torch.dtype,
-                device: torch.device, max_positions: int, seed: int = 0) -> LlamaForCausalLM:
+                device: torch.device, max_positions: int, seed: int = 0, quantization: str = "none",
+                prequantized: bool = False) -> LlamaForCausalLM:
     """Create the model on ``device`` in ``dtype`` and load its weights.
+
+    ``quantization`` ``"fp8"`` stores ``fp8_linears`` in FP8 (``worker/models/fp8.py``):
+    quantized after loading, or, with ``prequantized`` (the checkpoint is saved in FP8,
+    ``fp8.resolve_quantization``), loaded as they are. Off CUDA the FP8 weights are
+    dequantized back into ``dtype`` (the reference path, ``Linear.dequantize_fp8``).
 
     Raises:
         WeightLoadError: see ``load_hf_weights``.
     """
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg, max_positions)
+    # Parameters are created in ``dtype`` (float32 first would need 4 bytes a parameter:
+    # 122 GB for Qwen3-30B-A3B); the rotary tables name float32 themselves.
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg, max_positions)
+    finally:
+        torch.set_default_dtype(default_dtype)
     # Rotary tables stay float32; everything else takes the model dtype.
     for module in model.modules():
         for pname, p in module.named_parameters(recurse=False):
             p.data = p.data.to(dtype)
+    fp8 = quantization == "fp8"
+    load_fp8 = fp8 and prequantized and not (dummy or folder is None)
+    if load_fp8:  # FP8 parameters first, so that the checkpoint's FP8 tensors land unchanged
+        for m in fp8_linears(model):
+            m.to_fp8()
     if dummy or folder is None:
         init_dummy_weights(model, seed)
     else:
         load_hf_weights(model, folder)
+    if fp8:
+        linears = fp8_linears(model)
+        for m in linears:
+            if not load_fp8:
+                m.to_fp8()
+            if device.type != "cuda":
+                m.dequantize_fp8(dtype)
+        log.info("FP8 weights: %d linears%s", len(linears),
+                 "" if device.type == "cuda" else f" (reference: dequantized into {dtype}, inputs rounded per token)")
     if device.type == "cpu":
         _prepack_and_log(model, dtype)
     return model.eval()

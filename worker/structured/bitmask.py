@@ -1,6 +1,13 @@
 """A step's token masks: llguidance fills one bitmask row per request with a grammar,
 in its own Rust threads without the GIL (``fill_next_token_bitmask_par``), and the rows
 go to the device in one non-blocking copy from pinned memory.
+
+A JSON output's row is the AND of its grammar's row and its number cap's
+(shared/grammars.py), filled in the same call; where the AND allows no token at all (the
+schema needs a longer number than the cap allows), the grammar's row stands alone. The
+cap's row is filled only after a token that ends in a digit (``GrammarMatcher
+.after_digit``): elsewhere it allows every token the grammar does, and it is costly (a
+walk over most of the vocabulary, where a schema's row costs little).
 """
 
 from __future__ import annotations
@@ -9,6 +16,7 @@ from collections.abc import Sequence
 
 import llguidance
 import llguidance.torch
+import numpy as np
 import torch
 
 from worker.engine.sampler import host_list_to_device
@@ -40,8 +48,26 @@ class GrammarMasks:
             return None
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
+        used = [g for g in grammars if g is not None]
+        caps = [(k, g.number_cap) for k, g in enumerate(used) if g.number_cap is not None and g.after_digit]
+        capped = [k for k, _ in caps]
+        m = len(rows)
         pin = self.device.type == "cuda"
-        bitmask = torch.empty((len(rows), num_words(self.vocab_size)), dtype=torch.int32, pin_memory=pin)
-        matchers = [(grammars[row].matcher, k) for k, row in enumerate(rows)]  # type: ignore[union-attr]
+        # Rows 0 .. m - 1: the grammars; m + j: the number cap of grammar ``capped[j]``.
+        bitmask = torch.empty((m + len(caps), num_words(self.vocab_size)), dtype=torch.int32, pin_memory=pin)
+        matchers = [(g.matcher, k) for k, g in enumerate(used)] + [(cap, m + j) for j, (_, cap) in enumerate(caps)]
         llguidance.torch.fill_next_token_bitmask_par(self._executor, matchers, bitmask)
-        return TokenMask(bitmask.to(self.device, non_blocking=True), host_list_to_device(rows, torch.int64, self.device))
+        if capped:
+            _intersect_caps(bitmask, capped)
+        return TokenMask(bitmask[:m].to(self.device, non_blocking=True),
+                         host_list_to_device(rows, torch.int64, self.device))
+
+
+def _intersect_caps(bitmask: torch.Tensor, capped: list[int]) -> None:
+    """Rows ``capped[j]`` of ``bitmask`` (on the host) ANDed with rows ``m + j`` where the
+    AND leaves some token allowed; ``m`` is ``bitmask.shape[0] - len(capped)``."""
+    words = bitmask.numpy()  # numpy: a few small host ops, no intra-op thread pool
+    rows = np.asarray(capped)
+    both = words[rows] & words[words.shape[0] - len(capped):]
+    some = both.any(axis=1)
+    words[rows[some]] = both[some]

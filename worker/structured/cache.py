@@ -5,18 +5,27 @@ JSON schema on SmolLM2's vocabulary and much longer for large grammars; a deep c
 compiled matcher in its start state takes microseconds (bench/structured_bench.py). So
 the cache keeps one start-state matcher per spec, least recently used out first, and
 every request gets a deep copy. The grammar text is ``shared.grammars.grammar_for``'s,
-the one the gateway validated.
+the one the gateway validated. A JSON output's matcher also gets a deep copy of the
+number-cap grammar (``shared.grammars.number_cap_grammar``), compiled once.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import llguidance
 
-from shared.grammars import grammar_for
+from shared.grammars import (
+    MAX_NUMBER_EXPONENT_DIGITS,
+    MAX_NUMBER_FRACTION_DIGITS,
+    MAX_NUMBER_INTEGER_DIGITS,
+    caps_numbers,
+    grammar_for,
+    number_cap_grammar,
+)
 from shared.sampling import StructuredOutput
 from worker.structured.matcher import GrammarMatcher
 
@@ -45,6 +54,8 @@ class GrammarCache:
         self._build_tokenizer = tokenizer
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._compiled: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()
+        self._number_cap: llguidance.LLMatcher | None = None  # compiled on the first JSON output
+        self._ends_in_digit = b""  # per token id: 1 where the cap must be masked after it
         self.max_num_grammars = max_num_grammars
         self.num_compiled = 0  # grammars compiled since start (misses)
 
@@ -53,7 +64,8 @@ class GrammarCache:
 
     def matcher(self, structured: StructuredOutput, replay_token_ids: Sequence[int] = ()) -> GrammarMatcher:
         """A fresh matcher for ``structured``, advanced past ``replay_token_ids`` (the
-        outputs a failover continuation already delivered).
+        outputs a failover continuation already delivered), with the number cap for
+        JSON outputs.
 
         Raises:
             InvalidGrammar: no tokenizer, a spec that does not compile, or replayed
@@ -63,7 +75,10 @@ class GrammarCache:
         if compiled is None:
             compiled = self._compile(structured)
         self._compiled.move_to_end(structured)
-        matcher = GrammarMatcher(compiled.deep_copy())
+        if caps_numbers(structured):
+            matcher = GrammarMatcher(compiled.deep_copy(), self._number_cap_matcher(), self._ends_in_digit)
+        else:
+            matcher = GrammarMatcher(compiled.deep_copy())
         if not matcher.replay(replay_token_ids):
             raise InvalidGrammar(f"the delivered output tokens do not match the {structured.kind}: {matcher.error}")
         return matcher
@@ -83,6 +98,14 @@ class GrammarCache:
             self._compiled.popitem(last=False)
         return compiled
 
+    def _number_cap_matcher(self) -> llguidance.LLMatcher:
+        if self._number_cap is None:
+            tokenizer = self.tokenizer()
+            self._number_cap = llguidance.LLMatcher(tokenizer, number_cap_grammar(), log_level=0)
+            assert not self._number_cap.is_error(), self._number_cap.get_error()
+            self._ends_in_digit = ends_in_digit(tokenizer)
+        return self._number_cap.deep_copy()
+
     def tokenizer(self) -> llguidance.LLTokenizer:
         """The model's llguidance tokenizer, built on first use.
 
@@ -95,3 +118,16 @@ class GrammarCache:
             self._tokenizer = self._build_tokenizer()
             log.info("llguidance tokenizer ready: %d tokens", self._tokenizer.vocab_size)
         return self._tokenizer
+
+
+def ends_in_digit(tokenizer: llguidance.LLTokenizer) -> bytes:
+    """Per token id, 1 where the token's text ends in an ASCII digit: only after such a
+    token can the number cap forbid a token the grammar allows, as long as no token holds
+    more digits than a cap (``GrammarMasks.mask`` skips the cap's row elsewhere; its row
+    costs a walk over most of the vocabulary). All ones for a vocabulary with such a
+    token. About 0.1 s for 49k tokens, once."""
+    texts = [tokenizer.decode_bytes([t]) for t in range(tokenizer.vocab_size)]
+    longest = max((len(run) for text in texts for run in re.findall(rb"[0-9]+", text)), default=0)
+    if longest > min(MAX_NUMBER_EXPONENT_DIGITS, MAX_NUMBER_FRACTION_DIGITS, MAX_NUMBER_INTEGER_DIGITS):
+        return b"\x01" * tokenizer.vocab_size
+    return bytes(1 if text[-1:].isdigit() else 0 for text in texts)

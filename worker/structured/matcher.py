@@ -1,5 +1,6 @@
 """One request's position in its grammar: an llguidance ``LLMatcher`` that consumes each
-token the request keeps and says when the grammar has ended.
+token the request keeps and says when the grammar has ended, and for JSON outputs a
+second one, the number cap (shared/grammars.py), that the mask intersects with the first.
 
 Imports no torch: the scheduler's ``Request.append_token`` drives it (the grammar advances
 where the token is appended, as in vLLM's ``Scheduler.update_from_output``).
@@ -20,17 +21,30 @@ class GrammarMatcher:
 
     The matcher allows EOS exactly where the grammar accepts, and stops (allows nothing
     but EOS) where the grammar can go no further; either ends the request with
-    ``finish_reason`` ``stop``.
+    ``finish_reason`` ``stop``. ``number_cap`` (JSON outputs only; ``None`` otherwise) is
+    dropped for good at the first token it rejects: the mask let that token through
+    because the grammar needed it (``GrammarMasks.mask``), and the grammar alone rules
+    from then on.
     """
 
-    __slots__ = ("matcher",)
+    __slots__ = ("_ends_in_digit", "after_digit", "matcher", "number_cap")
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, number_cap: llguidance.LLMatcher | None = None,
+                 ends_in_digit: bytes = b"") -> None:
+        """``ends_in_digit``: per token id, 1 where its text ends in a digit
+        (``cache.ends_in_digit``); with ``number_cap`` only."""
         self.matcher = matcher
+        self.number_cap = number_cap
+        self._ends_in_digit = ends_in_digit
+        self.after_digit = False  # the last token ended in a digit: the cap's mask is needed
 
     def accept(self, token_id: int) -> bool:
         """Advance past ``token_id``; False (and the matcher in its error state, for good)
         when the grammar does not allow it, which the mask rules out for sampled tokens."""
+        if self.number_cap is not None:
+            if not self.number_cap.consume_token(token_id):
+                self.number_cap = None
+            self.after_digit = token_id < len(self._ends_in_digit) and self._ends_in_digit[token_id] == 1
         if self.matcher.consume_token(token_id):
             return True
         log.error("grammar rejected token %d: %s", token_id, self.matcher.get_error())
@@ -39,7 +53,14 @@ class GrammarMatcher:
     def replay(self, token_ids: Sequence[int]) -> bool:
         """Advance past tokens generated before (a failover continuation); False when the
         grammar rejects one of them."""
-        return self.matcher.consume_tokens(list(token_ids)) if token_ids else True
+        if not token_ids:
+            return True
+        if self.number_cap is not None:
+            if not self.number_cap.consume_tokens(list(token_ids)):
+                self.number_cap = None
+            last = token_ids[-1]
+            self.after_digit = last < len(self._ends_in_digit) and self._ends_in_digit[last] == 1
+        return bool(self.matcher.consume_tokens(list(token_ids)))
 
     @property
     def is_finished(self) -> bool:

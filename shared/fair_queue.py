@@ -1,0 +1,284 @@
+"""The model's queue: priority classes, and fair share between tenants within a class,
+kept entirely in Redis so every gateway and worker sees one queue
+(docs/operations.md, "Priority classes and fair share").
+
+Layout (names in ``shared/keys.py``):
+
+- one stream per (class, tenant) of a model, every one read by the consumer group
+  ``workers`` as before (pending entries, XCLAIM reaping, XACK + XDEL on finish); the
+  set ``{ns}:{model}:queues`` lists them;
+- per class, a sorted set of the streams that may hold waiting entries ("active"
+  tenants), each scored by the tenant's **virtual token counter** (VTC: Sheng et al.,
+  "Fairness in Serving Large Language Models", OSDI 2024; AIBrix's VTC router);
+- a doorbell list that idle workers block on.
+
+Two Lua scripts do every change, so each is atomic however many gateways and workers run:
+
+- ``_ENQUEUE`` (gateway): XADD the request(s) with their cost, join the tenant to its
+  class's active set, ring the doorbell. A tenant that (re)joins starts at the smallest
+  active counter of its class (VTC's lift): idling banks no credit, and a tenant that
+  left (nothing waiting) was the one with the smallest counter when it was last served,
+  so forgetting its counter gains it at most one request's cost.
+- ``_PULL`` (worker): take the highest non-empty class (interactive, then default, then
+  batch), in it the stream with the smallest counter, XREADGROUP one entry (no BLOCK:
+  allowed in scripts), and add the entry's cost to the counter; a stream with nothing
+  undelivered leaves the active set. Repeat while fewer than ``N[class]`` entries are
+  taken in all, where ``N[c]`` is what the engine can admit of class ``c``
+  (``num_admittable(c)``: a full engine may still take a higher class, which it preempts
+  a lower one for). When every class came up empty, nothing waits: it clears the
+  doorbell.
+
+An entry's cost is ``PROMPT_TOKEN_WEIGHT * prompt tokens + OUTPUT_TOKEN_WEIGHT *
+max_tokens`` (VTC's cost function ``w_p * input + w_q * output``; our weights make an
+output token cost twice an input token, as decoding one costs more than prefilling one).
+It is charged when pulled and not refunded when a request stops early: the queue never
+sees how many tokens were generated.
+Entries XADDed to the base stream by hand (without the script) carry no cost: they count
+1 and are read after the active sets come up empty.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from shared import protocol
+from shared.keys import ANONYMOUS_TENANT, BASE_CLASS, CONSUMER_GROUP, STREAM_FIELD, Keys
+from shared.protocol import GenerateRequest
+from shared.streams import QueueDepth, as_text, parse_pending_summary
+
+#: Priority classes, highest first; the index is the class's rank
+#: (``GenerateRequest.priority``: lower is served first, as vLLM's ``priority``).
+PRIORITY_CLASSES = ("interactive", "default", "batch")
+#: Header naming a request's class (``gateway/priority.py``).
+PRIORITY_HEADER = "X-Priority"
+#: Class of a request that names none.
+DEFAULT_CLASS = BASE_CLASS
+#: Weights of a prompt token and of an output token in VTC's cost function (our choice:
+#: output twice input).
+PROMPT_TOKEN_WEIGHT = 1
+OUTPUT_TOKEN_WEIGHT = 2
+#: Stream entry field holding the entry's cost (``entry_cost``), beside ``STREAM_FIELD``.
+COST_FIELD = b"c"
+#: The doorbell holds at most this many rings (one per enqueued entry; stale ones are
+#: cleared when a pull finds the queue empty).
+DOORBELL_MAX_RINGS = 64
+
+
+def class_rank(priority_class: str) -> int:
+    """Rank of a class name (0 interactive, 1 default, 2 batch). Raises ValueError."""
+    return PRIORITY_CLASSES.index(priority_class)
+
+
+def entry_cost(request: GenerateRequest) -> int:
+    """The virtual tokens a request costs its tenant when a worker pulls it (>= 1)."""
+    return max(1, PROMPT_TOKEN_WEIGHT * len(request.prompt_token_ids)
+               + OUTPUT_TOKEN_WEIGHT * request.sampling.max_tokens)
+
+
+def stream_class_tenant(keys: Keys, model: str, stream: str) -> tuple[str, str]:
+    """``(class, tenant)`` of one of ``model``'s streams (inverse of ``Keys.class_stream``)."""
+    base = keys.requests_stream(model)
+    if stream == base:
+        return BASE_CLASS, ANONYMOUS_TENANT
+    priority_class, _, tenant = stream[len(base) + 1:].partition(":")
+    return priority_class, tenant
+
+
+# KEYS: stream, class active set, model's stream set, doorbell[, request-id key]
+# ARGV: group, stream field, cost field, entry id to finish first ("" none), ttl, wire id,
+#       max rings, then (cost, payload) pairs. Returns the new entry ids, or false when
+#       the request-id key exists (nothing written).
+_ENQUEUE = """
+if #KEYS > 4 and not redis.call('SET', KEYS[5], ARGV[6], 'NX', 'EX', ARGV[5]) then
+  return false
+end
+if ARGV[4] ~= '' then
+  redis.pcall('XACK', KEYS[1], ARGV[1], ARGV[4])
+  redis.call('XDEL', KEYS[1], ARGV[4])
+end
+if redis.call('SADD', KEYS[3], KEYS[1]) == 1 then
+  redis.pcall('XGROUP', 'CREATE', KEYS[1], ARGV[1], '0', 'MKSTREAM')
+end
+if not redis.call('ZSCORE', KEYS[2], KEYS[1]) then
+  local low = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+  redis.call('ZADD', KEYS[2], low[2] or 0, KEYS[1])
+end
+local ids = {}
+for i = 8, #ARGV, 2 do
+  ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[i + 1], ARGV[3], ARGV[i])
+  redis.call('RPUSH', KEYS[4], 1)
+end
+redis.call('LTRIM', KEYS[4], -tonumber(ARGV[7]), -1)
+return ids
+"""
+
+# KEYS: the classes' active sets (highest class first), base stream, doorbell
+# ARGV: group, consumer, cost field, then per class the most entries to hold in all once
+# that class's are taken, and the limit for the base stream's hand-made entries.
+# Returns {stream, entry id, fields} triples.
+_PULL = """
+local n_classes = #KEYS - 2
+local base, doorbell = KEYS[n_classes + 1], KEYS[n_classes + 2]
+local function read(stream, count)
+  local r = redis.pcall('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', count, 'STREAMS', stream, '>')
+  if type(r) == 'table' and r.err then
+    if not string.find(r.err, 'NOGROUP') then error(r) end
+    redis.call('XGROUP', 'CREATE', stream, ARGV[1], '0', 'MKSTREAM')
+    r = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', count, 'STREAMS', stream, '>')
+  end
+  if not r then return {} end
+  return r[1][2]
+end
+local out = {}
+for c = 1, n_classes do
+  local want = tonumber(ARGV[3 + c])
+  while #out < want do
+    local top = redis.call('ZRANGE', KEYS[c], 0, 0)
+    if #top == 0 then break end
+    local entries = read(top[1], 1)
+    if #entries == 0 then
+      redis.call('ZREM', KEYS[c], top[1])
+    else
+      local fields, cost = entries[1][2], 1
+      for i = 1, #fields, 2 do
+        if fields[i] == ARGV[3] then cost = tonumber(fields[i + 1]) or 1 end
+      end
+      redis.call('ZINCRBY', KEYS[c], cost, top[1])
+      out[#out + 1] = {top[1], entries[1][1], fields}
+    end
+  end
+end
+local want = tonumber(ARGV[4 + n_classes])
+if #out < want then
+  for _, e in ipairs(read(base, want - #out)) do out[#out + 1] = {base, e[1], e[2]} end
+end
+local empty = #out < want
+for c = 1, n_classes do
+  if redis.call('EXISTS', KEYS[c]) == 1 then empty = false end
+end
+if empty then redis.call('DEL', doorbell) end
+return out
+"""
+
+
+class FairQueue:
+    """One model's classes and tenants in Redis: enqueue (gateway), pull (worker), depth.
+
+    ``client``: a ``redis.asyncio`` client (bytes replies).
+    """
+
+    def __init__(self, client: aioredis.Redis, keys: Keys, model: str) -> None:
+        self.client = client
+        self.keys = keys
+        self.model = model
+        self.base_stream = keys.requests_stream(model)
+        self._enqueue = client.register_script(_ENQUEUE)
+        self._pull = client.register_script(_PULL)
+        self._active = [keys.active_streams(model, c) for c in PRIORITY_CLASSES]
+
+    def stream(self, priority_class: str, tenant: str) -> str:
+        """Stream of one (class, tenant) (``Keys.class_stream``)."""
+        return self.keys.class_stream(self.model, priority_class, tenant)
+
+    def active_set(self, priority_class: str) -> str:
+        """Active-set key of a class."""
+        return self._active[class_rank(priority_class)]
+
+    async def enqueue(self, stream: str, requests: Sequence[GenerateRequest], *, request_id_key: str | None = None,
+                      wire_id: str = "", ttl_s: int = 1, finish_entry_id: bytes | str = "",
+                      pipe: Any = None) -> Any:
+        """XADD ``requests`` to ``stream`` (one of ``stream()``'s; its class's active set is
+        the one it joins) in one atomic script: all or none. With ``request_id_key``, only if that key is absent
+        (it then holds ``wire_id`` for ``ttl_s`` s); returns None when it was present.
+        ``finish_entry_id``: an entry of ``stream`` to XACK + XDEL first (failover's
+        continuation). Returns the new entry ids (``list[bytes]``), or None as above;
+        with ``pipe`` (a redis-py pipeline), the call is queued on it and the pipeline is
+        returned instead (its reply: the ids).
+
+        Raises:
+            ValueError: ``stream`` is not a stream of a known class of this model.
+            redis.exceptions.RedisError, OSError: Redis unreachable or refusing the write.
+        """
+        priority_class, _ = stream_class_tenant(self.keys, self.model, stream)
+        keys = [stream, self.active_set(priority_class), self.keys.model_streams(self.model),
+                self.keys.doorbell(self.model)]
+        if request_id_key is not None:
+            keys.append(request_id_key)
+        args: list[Any] = [CONSUMER_GROUP, STREAM_FIELD, COST_FIELD, finish_entry_id, max(1, ttl_s), wire_id,
+                           DOORBELL_MAX_RINGS]
+        for r in requests:
+            args += [entry_cost(r), protocol.encode(r)]
+        if pipe is not None:
+            return await self._enqueue(keys=keys, args=args, client=pipe)
+        ids = await self._enqueue(keys=keys, args=args)
+        return None if ids is None else list(ids)
+
+    async def pull(self, consumer: str, count: int | Sequence[int]) -> list[tuple[str, bytes, dict[bytes, bytes]]]:
+        """Deliver waiting entries to ``consumer``: highest class first, within a class the
+        tenant with the smallest virtual token counter. ``count``: the most entries in all,
+        or per class rank ``c`` the most in all once class ``c``'s are taken (the engine's
+        ``num_admittable(c)``, non-decreasing in ``c``); entries XADDed to the base stream
+        by hand count against the ``default`` class's. Returns ``(stream, entry id,
+        fields)`` triples in the order they were chosen.
+
+        Raises:
+            redis.exceptions.RedisError, OSError: Redis unreachable.
+        """
+        counts = [count] * len(PRIORITY_CLASSES) if isinstance(count, int) else list(count)
+        assert len(counts) == len(PRIORITY_CLASSES), counts
+        reply = await self._pull(keys=[*self._active, self.base_stream, self.keys.doorbell(self.model)],
+                                 args=[CONSUMER_GROUP, consumer, COST_FIELD, *counts,
+                                       counts[class_rank(DEFAULT_CLASS)]])
+        out = []
+        for stream, entry_id, flat in reply or []:
+            fields = {flat[i]: flat[i + 1] for i in range(0, len(flat), 2)}
+            out.append((as_text(stream), entry_id, fields))
+        return out
+
+    async def wait(self, timeout_s: float) -> bool:
+        """Block until the doorbell rings (True) or ``timeout_s`` passes (False)."""
+        return await self.client.blpop([self.keys.doorbell(self.model)], timeout=timeout_s) is not None
+
+    async def ensure_base(self) -> None:
+        """Create the base stream and its group (idempotent) and list it in the model's set."""
+        try:
+            await self.client.xgroup_create(self.base_stream, CONSUMER_GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        await self.client.sadd(self.keys.model_streams(self.model), self.base_stream)
+
+    async def streams(self) -> list[str]:
+        """Every stream of the model (the base stream first, then sorted)."""
+        members = {as_text(m) for m in await self.client.smembers(self.keys.model_streams(self.model))}
+        members.discard(self.base_stream)
+        return [self.base_stream, *sorted(members)]
+
+    async def depths(self) -> dict[str, QueueDepth]:
+        """XLEN and pending count of every stream, in one pipeline after the set read."""
+        streams = await self.streams()
+        async with self.client.pipeline(transaction=False) as pipe:
+            for s in streams:
+                pipe.xlen(s)
+                pipe.xpending(s, CONSUMER_GROUP)
+            replies = await pipe.execute(raise_on_error=False)
+        out = {}
+        for i, s in enumerate(streams):
+            length, summary = replies[2 * i], replies[2 * i + 1]
+            if isinstance(length, Exception):
+                raise length
+            if isinstance(summary, ResponseError) and "NOGROUP" in str(summary):
+                out[s] = QueueDepth(length=int(length), num_pending=0, has_group=False)
+                continue
+            if isinstance(summary, Exception):
+                raise summary
+            out[s] = QueueDepth(length=int(length), num_pending=parse_pending_summary(summary), has_group=True)
+        return out
+
+    async def num_waiting(self) -> int:
+        """Entries no worker has taken yet, over every stream of the model (admission's depth)."""
+        return sum(d.num_waiting for d in (await self.depths()).values())

@@ -1,0 +1,184 @@
+"""FP8 weights on CPU (``worker/models/fp8.py``): the quantizer, the reference product,
+checkpoints saved in FP8, refusals, and perplexity on the real default model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from shared.settings import ModelSettings, SettingsError
+from worker.models.config import ModelConfig
+from worker.models.fp8 import (
+    FP8_DTYPE,
+    FP8_MAX,
+    dequantize_rows,
+    fp8_linear,
+    quantize_rows,
+    resolve_quantization,
+)
+from worker.models.linear import Linear
+from worker.models.loader import build_model, fp8_linears
+
+CPU = torch.device("cpu")
+# A tiny Llama: GQA, head_dim 16, untied LM head; every projection's dims multiples of 16.
+TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "tie_word_embeddings": False, "max_position_embeddings": 128}
+
+
+def test_quantize_rows_scales_and_rounding() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(8, 256) * torch.logspace(-3, 2, 8)[:, None]  # rows of very different size
+    q, scale = quantize_rows(x)
+    assert q.dtype == FP8_DTYPE and scale.shape == (8, 1) and scale.dtype == torch.float32
+    torch.testing.assert_close(scale, x.abs().amax(dim=1, keepdim=True) / FP8_MAX)
+    assert torch.equal(q.float().abs().amax(dim=1), torch.full((8,), FP8_MAX))  # each row uses the full range
+    # E4M3 keeps 3 mantissa bits: round-to-nearest is within 2^-4 relative, or half the
+    # subnormal step (2^-10 of the scale) for the smallest values.
+    err = (dequantize_rows(q, scale) - x).abs()
+    assert bool((err <= x.abs() * 2**-4 + scale * 2**-10).all())
+    zero_q, zero_scale = quantize_rows(torch.zeros(2, 16))  # an all-zero row stays finite
+    assert bool(torch.isfinite(zero_scale).all()) and not zero_q.float().any()
+
+
+def test_fp8_linear_matches_the_dequantized_reference_layer() -> None:
+    """The two CPU forms of an FP8 layer agree: FP8 storage (``fp8_linear``) and the
+    reference that dequantizes on load and rounds its inputs per token."""
+    torch.manual_seed(0)
+    layer = Linear(64, 32, bias=True)
+    x = torch.randn(5, 64)
+    layer.to_fp8()
+    assert layer.is_fp8 and layer.weight.dtype == FP8_DTYPE and layer.weight_scale.shape == (32,)
+    stored = layer(x)
+    layer.dequantize_fp8(torch.float32)
+    assert not layer.is_fp8 and layer.fp8_reference
+    torch.testing.assert_close(layer(x), stored, rtol=1e-5, atol=1e-5)
+    # The inputs are rounded too: with the float32 inputs the product differs.
+    assert not torch.allclose(torch.nn.functional.linear(x, layer.weight, layer.bias), stored, rtol=1e-4, atol=1e-4)
+    w_q, w_s = quantize_rows(torch.randn(32, 64))
+    exact_inputs = x @ dequantize_rows(w_q, w_s).T  # per-token rounding adds about 2^-5 relative
+    assert (fp8_linear(x, w_q, w_s.view(-1)) - exact_inputs).norm() < 0.05 * exact_inputs.norm()
+
+
+def _save_folder(folder: Path, tensors: dict[str, torch.Tensor], quantization_config: dict | None = None) -> Path:
+    folder.mkdir()
+    config = dict(TINY, **({"quantization_config": quantization_config} if quantization_config else {}))
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def bf16_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A float32 checkpoint of ``TINY``, our own random weights saved under HF names."""
+    model = build_model(ModelConfig.from_hf(TINY), None, True, torch.float32, CPU, 128, seed=3)
+    h, q, kv = 64, 64, 32
+    tensors = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight,
+               "lm_head.weight": model.lm_head.weight}
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        wq, wk, wv = layer.self_attn.qkv_proj.weight.split([q, kv, kv])
+        gate, up = layer.mlp.gate_up_proj.weight.chunk(2)
+        tensors |= {p + "self_attn.q_proj.weight": wq, p + "self_attn.k_proj.weight": wk,
+                    p + "self_attn.v_proj.weight": wv, p + "self_attn.o_proj.weight": layer.self_attn.o_proj.weight,
+                    p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+                    p + "mlp.down_proj.weight": layer.mlp.down_proj.weight,
+                    p + "input_layernorm.weight": layer.input_layernorm.weight + 0.1 * i,
+                    p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight}
+    assert all(t.shape[-1] % 16 == 0 for t in tensors.values()) and h == 64
+    return _save_folder(tmp_path_factory.mktemp("fp8") / "bf16", {k: v.detach() for k, v in tensors.items()})
+
+
+def _fp8_checkpoint(bf16_folder: Path, folder: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """The checkpoint of ``bf16_folder`` saved in FP8 as vLLM writes it: per-channel
+    scales ``[N, 1]``, layer 1's o_proj per-tensor (scale ``[]``), layer 1's down_proj
+    left unquantized (as a ``ignored_layers`` entry), static ``input_scale``s beside.
+    Returns the folder and each FP8 weight's dequantized values by HF name."""
+    tensors, expected = {}, {}
+    for name, w in load_file(str(bf16_folder / "model.safetensors")).items():
+        projection = ".layers." in name and name.endswith("proj.weight")
+        if not projection or name == "model.layers.1.mlp.down_proj.weight":
+            tensors[name] = w
+            continue
+        if name == "model.layers.1.self_attn.o_proj.weight":
+            scale = w.abs().amax() / FP8_MAX
+            q = (w / scale).to(FP8_DTYPE)
+        else:
+            q, scale = quantize_rows(w)
+        tensors[name], tensors[f"{name}_scale"] = q, scale
+        tensors[name.removesuffix("weight") + "input_scale"] = torch.tensor(1.0)
+        expected[name] = q.float() * scale.float()
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": ["model.layers.1.mlp.down_proj"]}
+    return _save_folder(folder, tensors, qc), expected
+
+
+def _config(folder: Path) -> dict:
+    return json.loads((folder / "config.json").read_text())
+
+
+def test_fp8_checkpoint_loads_as_saved(bf16_folder: Path, tmp_path: Path) -> None:
+    """A per-channel/per-tensor FP8 checkpoint lands unchanged in the fused FP8 layers,
+    and gives the logits of its bf16 source quantized at load where the two agree."""
+    folder, expected = _fp8_checkpoint(bf16_folder, tmp_path / "fp8")
+    quantization, prequantized = resolve_quantization("none", _config(folder))
+    assert (quantization, prequantized) == ("fp8", True)
+    cfg = ModelConfig.from_hf(_config(folder))
+    stored = build_model(cfg, None, True, torch.float32, CPU, 128)  # shapes only: weights replaced below
+    for m in fp8_linears(stored):
+        m.to_fp8()
+    from worker.models.loader import load_hf_weights
+
+    load_hf_weights(stored, folder)
+    attn = stored.layers[1].self_attn
+    wq = dequantize_rows(attn.qkv_proj.weight, attn.qkv_proj.weight_scale)[:64]
+    torch.testing.assert_close(wq, expected["model.layers.1.self_attn.q_proj.weight"], rtol=0, atol=0)
+    o_proj = dequantize_rows(attn.o_proj.weight, attn.o_proj.weight_scale)
+    torch.testing.assert_close(o_proj, expected["model.layers.1.self_attn.o_proj.weight"], rtol=0, atol=0)
+    # The unquantized down_proj was quantized at load, like the whole bf16 checkpoint.
+    from_bf16 = build_model(cfg, bf16_folder, False, torch.float32, CPU, 128, quantization="fp8")
+    from_fp8 = build_model(cfg, folder, False, torch.float32, CPU, 128, quantization="fp8", prequantized=True)
+    for a, b in zip(fp8_linears(from_bf16), fp8_linears(from_fp8), strict=True):
+        assert a.fp8_reference and b.fp8_reference
+        if a is not from_bf16.layers[1].self_attn.o_proj:  # per-tensor there: a different grid
+            torch.testing.assert_close(a.weight, b.weight, rtol=0, atol=0)
+
+
+def test_refused_checkpoints_and_settings() -> None:
+    block = dict(TINY, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    with pytest.raises(ValueError, match="block-wise FP8 checkpoints"):
+        resolve_quantization("none", block)
+    with pytest.raises(ValueError, match="'gptq' is not supported"):
+        resolve_quantization("fp8", dict(TINY, quantization_config={"quant_method": "gptq"}))
+    assert resolve_quantization("fp8", TINY) == ("fp8", False)
+    with pytest.raises(SettingsError, match="quantization"):
+        ModelSettings(quantization="int4")
+
+
+@pytest.mark.slow
+def test_fp8_perplexity_close_to_float32(smollm_source) -> None:
+    """The default model's real weights: FP8 (the CPU reference, converted in place on one
+    engine to load the model once) against float32 on a fixed text (400 tokens here;
+    bench/fp8_quality.py scores 2,000: +5.8%). The bound is the measured change with
+    margin (docs/benchmarks.md, "FP8 weights"); a wrong scale or rounding moves it far more."""
+    from bench.fp8_kv_quality import fixed_text, perplexity
+    from worker.llm import LLM
+
+    llm = LLM(dtype="float32", device="cpu", max_num_seqs=1, enable_prefix_caching=False)
+    ids = llm.encode(fixed_text())[:400]
+    ppl_ref = perplexity(llm, ids)
+    model = llm.engine.runner.model
+    for m in fp8_linears(model):
+        m.to_fp8()
+        m.dequantize_fp8(torch.float32)
+    if model.packed_max_rows is not None:
+        model.prepack_for_cpu(model.packed_max_rows)
+    ppl_fp8 = perplexity(llm, ids)
+    assert ppl_ref < ppl_fp8 < ppl_ref * QUALITY_BOUND, (ppl_ref, ppl_fp8)
+
+
+#: Most perplexity ratio the quality test accepts (see its docstring).
+QUALITY_BOUND = 1.08
