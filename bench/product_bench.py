@@ -151,9 +151,13 @@ def offline_child(spec_path: Path) -> int:
         engine.add_request(f"offline-{i}", prompt, params)
     num_output_tokens = num_steps = 0
     async_before = engine.num_async_steps
+    trace: list[dict[str, float]] = []  # per step, as the worker's StepTrace (running / waiting after it)
     while engine.has_unfinished_requests():
         num_output_tokens += sum(len(out.new_token_ids) for out in engine.step())
         num_steps += 1
+        if spec.get("step_trace"):
+            stats = engine.stats()
+            trace.append({"done": time.monotonic(), "running": stats.num_running, "waiting": stats.num_waiting})
     wall_s = time.perf_counter() - t0
     assert num_output_tokens == len(prompts) * args.output_len, num_output_tokens
     device = engine.device
@@ -164,6 +168,8 @@ def offline_child(spec_path: Path) -> int:
               "build_s": build_s, "backend": engine.runner.backend.name, "dtype": str(engine.dtype),
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_description(),
               "torch": torch.__version__}
+    if spec.get("step_trace"):
+        Path(spec["step_trace"]).write_text("".join(json.dumps(line) + "\n" for line in trace))
     spec_path.with_suffix(".result.json").write_text(json.dumps(result))
     return 0
 
@@ -177,8 +183,10 @@ def run_offline(args: argparse.Namespace, model_dir: Path, max_num_seqs: int, en
     """
     spec = work / f"offline-{max_num_seqs}.json"
     workload_args = {k: getattr(args, k) for k in ("num_prompts", "input_len", "output_len", "seed", "device")}
-    spec.write_text(json.dumps({"args": workload_args, "model_dir": str(model_dir), "max_num_seqs": max_num_seqs}))
     log = Path(args.log_dir) / f"offline-{max_num_seqs}.log"
+    trace = str(Path(args.log_dir) / f"steps-offline-{max_num_seqs}.jsonl") if args.step_trace else None
+    spec.write_text(json.dumps({"args": workload_args, "model_dir": str(model_dir), "max_num_seqs": max_num_seqs,
+                                "step_trace": trace}))
     proc = spawn(["-m", "bench.product_bench", "--offline-child", str(spec)], log, env, die_with_parent=True)
     try:
         code = proc.wait(timeout=max(timeout_s, 1.0))
@@ -426,7 +434,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/product_h100.json")
     ap.add_argument("--log-dir", default="/tmp/inferq-product-bench", help="logs of serve and the offline runs")
     ap.add_argument("--step-trace", action="store_true",
-                    help="the worker writes its per-step timeline to --log-dir/steps-c<concurrency>.jsonl")
+                    help="the worker writes its per-step timeline to --log-dir/steps-c<concurrency>.jsonl "
+                         "(the offline engine its running and waiting counts to steps-offline-<max_num_seqs>.jsonl)")
     ap.add_argument("--offline-child", type=Path, help=argparse.SUPPRESS)
     args, extra = ap.parse_known_args(argv)
     try:

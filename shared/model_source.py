@@ -66,6 +66,11 @@ DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
                     "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": None,
                     "attn_logit_softcapping": None, "tie_word_embeddings": True,
                     "max_position_embeddings": 131072, "eos_token_id": [1, 106]},
+    # Needs two or more GPUs (141 GB of bf16 weights): --tensor-parallel-size (worker/parallel/).
+    "Llama-3-70B": {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                    "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
+                    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+                    "max_position_embeddings": 8192, "eos_token_id": 128001},
     # Mixture of experts (worker/models/moe.py): 128 experts, 8 per token, every layer sparse.
     "Qwen3-30B-A3B": {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
                       "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,

@@ -82,7 +82,7 @@ class ModelSettings:
         "Where converted models are cached (default ~/.cache/inferq/models)"))
     seed: int = field(default=0, metadata=_doc("Seed for dummy weights and unseeded sampling"))
     quantization: str = field(default="none", metadata=_doc(
-        "none | fp8 (linear weights quantized to FP8 E4M3 at load, per output channel; "
+        "none | fp8 (linear weights quantized to FP8 E4M3 at load, 128x128 block scales; "
         "a checkpoint saved in FP8 is always served in FP8)"))
 
     def __post_init__(self) -> None:
@@ -108,6 +108,9 @@ class EngineSettings:
     max_num_batched_tokens: int = field(default=2048, metadata=_doc("Most tokens in one step (prefill chunks + decodes)"))
     enable_prefix_caching: bool = field(default=True, metadata=_doc("Reuse KV blocks of identical prompt prefixes"))
     enforce_eager: bool = field(default=False, metadata=_doc("Disable CUDA graphs"))
+    tensor_parallel_size: int = field(default=1, metadata=_doc(
+        "Ranks (GPUs) one worker splits each layer over: NCCL on CUDA, gloo on CPU "
+        "(docs/operations.md, \"Tensor parallelism\")"))
     attention_backend: str = field(default="auto", metadata=_doc("auto | torch | cpu | triton"))
     kv_cache_dtype: str = field(default="auto", metadata=_doc(
         "auto (the model's dtype) | fp8 (float8 e4m3, scale 1.0: about twice the tokens per byte)"))
@@ -123,7 +126,13 @@ class EngineSettings:
     sim_step_time_ms: float = field(default=20.0, metadata=_doc(
         "Step time of the model-free `sim` backend, ms (one token per running request per step)"))
     speculative_method: str = field(default="off", metadata=_doc(
-        "Speculative decoding: off | ngram (prompt lookup; docs/architecture.md, \"Speculative decoding\")"))
+        "Speculative decoding: off | ngram (prompt lookup) | draft (a small model, --speculative-model; "
+        "docs/architecture.md, \"Speculative decoding\")"))
+    speculative_model: str = field(default="", metadata=_doc(
+        "The draft model of --speculative-method draft: a Hugging Face folder or the default model's name "
+        "(it must share the target's tokenizer)"))
+    speculative_model_load_format: str = field(default="auto", metadata=_doc(
+        "The draft model's weights: auto | dummy (random weights of its config)"))
     num_speculative_tokens: int = field(default=5, metadata=_doc(
         "Most draft tokens verified per sequence and step (adaptive below it)"))
     speculative_ngram_max: int = field(default=4, metadata=_doc("Longest suffix n-gram that prompt lookup matches, tokens"))
@@ -137,9 +146,13 @@ class EngineSettings:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_speculative_tokens",
                      "speculative_ngram_min"):
             _require_at_least(self, name, 1)
-        _require(self, "speculative_method", self.speculative_method != "draft",
-                 "a draft-model proposer is not implemented yet (issue 17); use ngram or off")
-        _require_one_of(self, "speculative_method", ("off", "ngram"))
+        _require(self, "tensor_parallel_size", 1 <= self.tensor_parallel_size <= 64, "must be 1 to 64")
+        _require_one_of(self, "speculative_method", ("off", "ngram", "draft"))
+        _require(self, "speculative_model", bool(self.speculative_model) or self.speculative_method != "draft",
+                 "--speculative-method draft needs a draft model (a folder or the default model's name)")
+        _require_one_of(self, "speculative_model_load_format", ("auto", "dummy"))
+        _require(self, "speculative_method", self.speculative_method != "draft" or self.tensor_parallel_size == 1,
+                 "a draft model runs unsharded: it needs --tensor-parallel-size 1")
         _require(self, "speculative_ngram_max", self.speculative_ngram_max >= self.speculative_ngram_min,
                  "must be at least --speculative-ngram-min")
         _require_at_least(self, "speculative_token_cost", 0.0)

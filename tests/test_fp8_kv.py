@@ -88,7 +88,7 @@ def fp8_engine(smollm_source):
     float32 cache's bytes."""
     from bench.fp8_kv_quality import build
 
-    return build("fp8")
+    return build(kv_cache_dtype="fp8", enable_prefix_caching=True)
 
 
 @pytest.mark.slow

@@ -28,7 +28,7 @@ from tests.test_worker_paths import replies_until_finished, running
 from worker.backends.sim import SimBackend
 from worker.engine.block_manager import BlockManager
 from worker.engine.request import Request, RequestStatus
-from worker.engine.scheduler import Scheduler
+from worker.engine.scheduler import MAX_PRIORITY_PAUSES, Scheduler
 from worker.service import Worker
 
 pytestmark = pytest.mark.timeout(120)
@@ -79,7 +79,7 @@ def test_interactive_arrival_takes_a_full_batchs_latest_slot() -> None:
     b2 = s.requests["b2"]
     s.add(req("i", 8, INTERACTIVE))
     counts, preempted = step(s)
-    assert counts == {"b1": 1, "i": 8} and preempted == ["b2"]
+    assert counts == {"i": 8} and preempted == ["b2"]  # b1's decode pauses for i's prefill
     assert s.num_preemptions == 1 and s.make_stats().num_preemptions == 1
     assert b2.status == RequestStatus.PREEMPTED and b2.num_computed_tokens == 0 and not b2.block_table
     assert ids(s.running) == ["i", "b1"] and ids(s.waiting) == ["b2"]
@@ -88,9 +88,10 @@ def test_interactive_arrival_takes_a_full_batchs_latest_slot() -> None:
 
 
 def test_kv_shortage_preempts_the_lowest_class_latest_first_until_it_fits() -> None:
-    # 12 blocks of 4 tokens: b1 and b2 (batch) hold 3 each, d1 (default, admitted later
-    # but ahead of them in class order) 3 after its decode; 3 are free. The interactive
-    # prompt needs 8: b2 (3 more) is not enough, b1 too is, d1 stays.
+    # 12 blocks of 4 tokens: b1 and b2 (batch) hold 2 each, d1 (default, admitted later
+    # but ahead of them in class order, prefilled in a step that paused them) 2; 6 are
+    # free. The interactive prompt needs 10: b2 (2 more) is not enough, b1 too is, d1
+    # stays (and pauses).
     s = make(num_blocks=12)
     s.add(req("b1", 8, BATCH))
     s.add(req("b2", 8, BATCH))
@@ -98,9 +99,9 @@ def test_kv_shortage_preempts_the_lowest_class_latest_first_until_it_fits() -> N
     s.add(req("d1", 8, DEFAULT))
     step(s)
     assert ids(s.running) == ["d1", "b1", "b2"]
-    s.add(req("i", 32, INTERACTIVE))
+    s.add(req("i", 40, INTERACTIVE))
     counts, preempted = step(s)
-    assert preempted == ["b2", "b1"] and counts == {"d1": 1, "i": 32}
+    assert preempted == ["b2", "b1"] and counts == {"i": 40}
     assert ids(s.running) == ["i", "d1"] and ids(s.waiting) == ["b1", "b2"]  # back in class order
     run_to_end(s)
     assert s.num_preemptions >= 2
@@ -154,17 +155,72 @@ def test_a_preempted_request_resumes_ahead_of_its_class_behind_higher_ones() -> 
 
 def test_after_a_priority_preemption_only_higher_classes_are_admitted() -> None:
     """The victim, back in the queue, is not admitted again in the same step (nor
-    anything of its class), even where what it freed would hold its first chunk."""
-    s = make(num_blocks=10, budget=16)
+    anything of its class), even where what it freed would hold its first chunk. (In a
+    step that may pause v's class, the pause keeps it out too: this is one that may not.)"""
+    s = make(num_blocks=10, budget=20)
     s.add(req("v", 24, BATCH))
     for _ in range(3):  # two prefill chunks, one decode: 7 of the 10 blocks
         step(s)
     s.add(req("i", 16, INTERACTIVE))
+    s.num_paused_steps = MAX_PRIORITY_PAUSES
     counts, preempted = step(s)
-    # i gets 15 tokens (4 blocks) of the budget; 6 blocks and 1 token would fit a chunk of v.
-    assert preempted == ["v"] and counts == {"i": 15}
+    # i takes 16 tokens (4 blocks) of the budget; 6 blocks and 4 tokens would fit a chunk of v.
+    assert preempted == ["v"] and counts == {"i": 16}
     assert ids(s.waiting) == ["v"] and s.block_manager.num_free_blocks == 6
     run_to_end(s)
+
+
+def test_a_higher_class_prefill_pauses_lower_class_decodes_for_its_step() -> None:
+    """The step that prefills a request of a class above a running one carries only
+    that class and the higher ones: the lower ones' decodes (and admissions) wait one
+    step, keeping their blocks; a same-class arrival pauses nobody."""
+    s = make()
+    for rid, priority in [("b1", BATCH), ("b2", BATCH), ("d1", DEFAULT)]:
+        s.add(req(rid, 4, priority))
+    step(s)
+    s.add(req("b3", 4, BATCH))
+    assert step(s) == ({"d1": 1, "b1": 1, "b2": 1, "b3": 4}, [])  # same class as the lowest: no pause
+    held = {r.request_id: list(r.block_table) for r in s.running}
+    s.add(req("d2", 4, DEFAULT))
+    s.add(req("b4", 4, BATCH))
+    assert step(s) == ({"d1": 1, "d2": 4}, [])  # batch decodes and b4 wait
+    assert all(s.requests[rid].block_table == blocks and s.requests[rid].status == RequestStatus.RUNNING
+               for rid, blocks in held.items() if rid.startswith("b"))
+    s.add(req("i", 4, INTERACTIVE))
+    assert step(s) == ({"i": 4}, [])  # every default and batch request waits
+    assert step(s) == ({"i": 1, "d1": 1, "d2": 1, "b1": 1, "b2": 1, "b3": 1, "b4": 4}, [])
+    run_to_end(s)
+    assert s.num_preemptions == 0
+
+
+def test_a_prefill_in_chunks_pauses_lower_classes_until_its_last_chunk() -> None:
+    s = make(budget=8)
+    s.add(req("b", 4, BATCH))
+    step(s)
+    s.add(req("i", 12, INTERACTIVE))
+    assert step(s) == ({"i": 8}, [])
+    assert step(s) == ({"i": 4}, [])  # running, still mid-prefill: b waits
+    assert step(s) == ({"i": 1, "b": 1}, [])
+
+
+def test_lower_class_pauses_are_bounded() -> None:
+    """A higher class that prefills in every step (a new request each step) pauses a
+    lower class at most ``MAX_PRIORITY_PAUSES`` steps in a row; the step after carries it."""
+    s = make(num_blocks=256, max_num_seqs=32)
+    s.add(req("b", 4, BATCH, max_tokens=6))
+    step(s)  # b's first token
+    gaps, gap = [], 0
+    for n in range(40):
+        s.add(req(f"i{n}", 4, INTERACTIVE, max_tokens=1))
+        counts, _ = step(s)
+        if "b" in counts:
+            gaps.append(gap)
+            gap = 0
+        else:
+            gap += 1
+        if "b" not in s.requests:
+            break
+    assert "b" not in s.requests and gaps == [MAX_PRIORITY_PAUSES] * 5  # its 5 decodes
 
 
 def test_async_decode_chain_yields_to_a_waiting_higher_class() -> None:
@@ -255,7 +311,8 @@ def test_preempted_requests_give_their_unpreempted_tokens(engine) -> None:
     (expected_i,) = generate(engine, [("i", prompts["i"], INTERACTIVE)])[0].values()
     before = engine.stats().num_preemptions
     got, per_step = generate(engine, background, late=("i", prompts["i"], INTERACTIVE))
-    assert "i" in per_step[2]  # the step it arrived before: prefilled and sampled at once
+    # The step it arrived before: prefilled and sampled at once, alone (the others pause).
+    assert per_step[2] == {"i"}
     assert engine.stats().num_preemptions > before
     assert got == {**expected, "i": expected_i}
     assert all(len(out) == GREEDY.max_tokens for out in got.values())
@@ -316,6 +373,55 @@ async def test_worker_passes_the_generate_request_priority_to_the_engine(client)
         await pubsub.aclose()
     assert sorted(backend.added) == [("b", BATCH), ("d", DEFAULT), ("i", INTERACTIVE)]
     assert all(r[-1].finish_reason == "length" for r in replies.values())
+
+
+class CountingSim(SimBackend):
+    """The sim backend, counting steps started and completed, and recording after how
+    many completed steps each request was added."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.num_started = self.num_done = 0
+        self.added_after: dict[str, int] = {}
+
+    def add_request(self, request_id: str, *args: Any, **kwargs: Any) -> None:
+        super().add_request(request_id, *args, **kwargs)
+        self.added_after[request_id] = self.num_done
+
+    def step(self) -> list[Any]:
+        self.num_started += 1
+        out = super().step()
+        self.num_done += 1
+        return out
+
+
+async def test_a_busy_worker_admits_a_request_that_arrived_during_a_step_in_the_next(client) -> None:
+    """The worker pulls between steps, so a request queued while step k runs is added
+    before step k + 1 (a pull overlapped with step k, started before it arrived, would
+    leave it for step k + 2)."""
+    keys = Keys("tcadence")
+    channel = keys.gateway_channel("g1")
+    backend = CountingSim(ModelSettings(max_model_len=1000), EngineSettings(max_num_seqs=4), step_time_ms=250.0)
+    worker = Worker(client, keys, "m", "w1", backend)
+    pubsub = client.pubsub()
+    await pubsub.subscribe(channel)
+
+    async def enqueue(rid: str, max_tokens: int) -> None:
+        request = GenerateRequest(request_id=rid, model="m", prompt_token_ids=[5, 6], reply_channel=channel,
+                                  sampling=SamplingParams(max_tokens=max_tokens), deadline_unix_s=time.time() + 60)
+        await client.xadd(keys.requests_stream("m"), {STREAM_FIELD: protocol.encode(request)})
+
+    try:
+        await enqueue("long", 8)
+        async with running(worker):
+            while backend.num_started < 3:
+                await asyncio.sleep(0.005)
+            await enqueue("late", 1)  # during step 3 (it sleeps 250 ms)
+            assert backend.num_done == 2
+            await asyncio.wait_for(replies_until_finished(pubsub, {"long", "late"}), 30)
+    finally:
+        await pubsub.aclose()
+    assert backend.added_after == {"long": 0, "late": 3}
 
 
 @pytest.mark.slow

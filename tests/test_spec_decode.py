@@ -57,9 +57,11 @@ def test_adaptive_draft_length() -> None:
     assert choose_num_drafts(proposer.alpha("r"), 5, 0.1, 1) <= 1
 
 
-def test_settings_refuse_draft_clearly() -> None:
-    with pytest.raises(SettingsError, match="draft-model proposer is not implemented"):
+def test_settings_refuse_what_cannot_run() -> None:
+    with pytest.raises(SettingsError, match="needs a draft model"):
         EngineSettings(speculative_method="draft")
+    with pytest.raises(SettingsError, match="tensor-parallel-size 1"):
+        EngineSettings(speculative_method="draft", speculative_model="m", tensor_parallel_size=2)
     with pytest.raises(SettingsError, match="speculative-method"):
         EngineSettings(speculative_method="eagle")
     assert EngineSettings(speculative_method="ngram").num_speculative_tokens == 5

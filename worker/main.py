@@ -31,6 +31,13 @@ async def serve_worker(worker: WorkerSettings, redis_settings: RedisSettings, mo
     # Resolved once (the first start may convert the default model): the backend and the
     # served name both come from it.
     source = await asyncio.to_thread(resolve_model, model.model, model.load_format, model.model_cache_dir)
+    tp = None
+    if engine.tensor_parallel_size > 1:  # this process is rank 0 (docs/architecture.md, "Tensor parallelism")
+        if worker.backend != "inferq":
+            raise ValueError(f"--tensor-parallel-size needs the inferq backend, not {worker.backend}")
+        from worker.parallel.follower import start_for_engine
+
+        tp = await asyncio.to_thread(start_for_engine, source, model, engine)
     engine_thread = EngineThread()
     backend = await engine_thread.run(create_backend, worker.backend, source, model, engine)
     client = aioredis.from_url(redis_settings.redis_url, health_check_interval=10)
@@ -66,3 +73,6 @@ async def serve_worker(worker: WorkerSettings, redis_settings: RedisSettings, mo
             service.trace.close()
         await client.aclose()
         engine_thread.close()
+        if tp is not None:
+            sync = getattr(getattr(backend, "runner", None), "step_sync", None)
+            tp.close(sync.send_stop if sync is not None else None)

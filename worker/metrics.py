@@ -68,7 +68,7 @@ FAMILIES = (
             lambda w, s: _spec(w, "num_accepted_tokens")),
     _Family("inferq:spec_decode_num_verify_steps", "counter", "Request-steps that verified drafts",
             lambda w, s: _spec(w, "num_verify_steps")),
-    _Family("inferq:spec_decode_proposer_seconds", "counter", "Host time spent proposing drafts, seconds",
+    _Family("inferq:spec_decode_proposer_seconds", "counter", "Time spent proposing drafts (n-gram lookup or draft model), seconds",
             lambda w, s: _spec(w, "proposer_time_s")),
 )
 

@@ -90,7 +90,8 @@ class StepTrace:
     ``handed`` (the event loop handed the step to the engine thread), ``ran`` and
     ``done`` (the engine thread started and ended it), ``back`` (the loop had its result),
     ``outputs`` (requests with new tokens), ``pulled`` (requests added since the previous
-    step) and ``pull_s`` (time the loop spent pulling them). Lines are kept in memory
+    step), ``pull_s`` (time the loop spent pulling them), and ``running`` and ``waiting``
+    (the engine's requests after the step). Lines are kept in memory
     and appended to the file by ``close`` (at worker exit); 100,000 steps hold about 15 MB.
     """
 
@@ -111,10 +112,11 @@ class StepTrace:
                 self._done = time.monotonic()
         return traced
 
-    def record(self, handed: float, num_outputs: int) -> None:
+    def record(self, handed: float, num_outputs: int, num_running: int = 0, num_waiting: int = 0) -> None:
         """Write the step that just came back to the loop (``handed``: when it was handed over)."""
         line = {"handed": handed, "ran": self._ran, "done": self._done, "back": time.monotonic(),
-                "outputs": num_outputs, "pulled": self.pulled, "pull_s": self.pull_s}
+                "outputs": num_outputs, "pulled": self.pulled, "pull_s": self.pull_s,
+                "running": num_running, "waiting": num_waiting}
         self.pulled, self.pull_s = 0, 0.0
         self._lines.append(json.dumps(line) + "\n")
 

@@ -59,6 +59,10 @@ Settings map one to one where vLLM has the same knob (``max_num_seqs``,
 means what it means for our engine: float32 on CPU, bfloat16 on CUDA. ``device`` is
 vLLM's platform (the installed build decides). vLLM's CPU attention needs ``block_size``
 a multiple of 32: any other size (our default 16 included) gives vLLM's CPU default, 128.
+``quantization`` and ``kv_cache_dtype`` map onto vLLM's knobs of the same names
+(``vllm_quantization``, ``vllm_kv_cache_dtype``), and the speculative-decoding flags onto
+vLLM's ``speculative_config`` (``vllm_speculative_config``); vLLM refuses at start-up what
+its platform cannot run (its CPU build has no FP8 weights, for one).
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from shared.grammars import close_objects
-from shared.model_source import ModelSource, max_model_len
+from shared.model_source import ModelSource, max_model_len, resolve_model
 from shared.protocol import FinishReason, TokenLogprobs
 from shared.sampling import MAX_LOGPROBS, SamplingParams, StructuredOutput
 from shared.settings import EngineSettings, ModelSettings
@@ -127,6 +131,54 @@ def vllm_block_size(block_size: int, on_cpu: bool) -> int | None:
     return block_size
 
 
+def vllm_quantization(quantization: str) -> str | None:
+    """Our ``--quantization`` as vLLM's: ``fp8`` is vLLM's online FP8 of the linear
+    weights (its own scale layout: per tensor, where ours loads 128x128 blocks,
+    worker/models/fp8.py), ``none`` is ``None``. A checkpoint saved in FP8 is detected by
+    both from its ``quantization_config`` whatever the setting."""
+    return None if quantization == "none" else quantization
+
+
+def vllm_kv_cache_dtype(kv_cache_dtype: str) -> str:
+    """Our ``--kv-cache-dtype`` as vLLM's: ``fp8`` is float8 e4m3 with scale 1.0 in both
+    (vLLM's ``fp8_e4m3``, named so that it cannot mean e5m2), ``auto`` the model's dtype."""
+    return "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype
+
+
+def vllm_speculative_config(engine: EngineSettings, model: ModelSettings, load_format: str) -> dict[str, Any] | None:
+    """Our speculative-decoding flags as vLLM's ``speculative_config`` (``None``: off).
+
+    ``ngram``: method ``ngram`` with ``prompt_lookup_max``/``min`` from
+    ``--speculative-ngram-max``/``min``. ``draft``: method ``draft_model`` with the
+    ``--speculative-model`` folder (resolved as ours resolves it), and a
+    ``draft_load_config`` when its load format differs from the target's
+    ``load_format`` (vLLM's draft otherwise loads as the target does).
+    ``--num-speculative-tokens`` is vLLM's ``num_speculative_tokens``, which vLLM
+    proposes every step: our adaptive draft length (``--speculative-token-cost``) has no
+    vLLM counterpart.
+
+    Raises:
+        ValueError: a draft model without a Hugging Face folder.
+        ModelSourceError: as ``resolve_model``.
+    """
+    method, k = engine.speculative_method, engine.num_speculative_tokens
+    if method == "off":
+        return None
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": engine.speculative_ngram_max,
+                "prompt_lookup_min": engine.speculative_ngram_min}
+    draft = resolve_model(engine.speculative_model, engine.speculative_model_load_format, model.model_cache_dir)
+    if draft.path is None:
+        raise ValueError(f"the vllm backend needs a Hugging Face folder; the draft {draft.name!r} has none")
+    config: dict[str, Any] = {"method": "draft_model", "model": str(draft.path), "num_speculative_tokens": k}
+    draft_format = "dummy" if draft.dummy else "auto"
+    if draft_format != load_format:
+        from vllm.config import LoadConfig
+
+        config["draft_load_config"] = LoadConfig(load_format=draft_format)
+    return config
+
+
 def engine_args(source: ModelSource, model: ModelSettings, engine: EngineSettings, on_cpu: bool) -> Any:
     """``vllm.EngineArgs`` for ``source`` with our settings (see the module docstring).
 
@@ -138,9 +190,12 @@ def engine_args(source: ModelSource, model: ModelSettings, engine: EngineSetting
 
     if source.path is None:
         raise ValueError(f"the vllm backend needs a Hugging Face folder; {source.name!r} has none")
+    load_format = "dummy" if source.dummy else "auto"
     return EngineArgs(
-        model=str(source.path), served_model_name=source.name, load_format="dummy" if source.dummy else "auto",
-        dtype=vllm_dtype(model.dtype, on_cpu), seed=model.seed,
+        model=str(source.path), served_model_name=source.name, load_format=load_format,
+        dtype=vllm_dtype(model.dtype, on_cpu), seed=model.seed, quantization=vllm_quantization(model.quantization),
+        kv_cache_dtype=vllm_kv_cache_dtype(engine.kv_cache_dtype),
+        speculative_config=vllm_speculative_config(engine, model, load_format),
         max_model_len=max_model_len(source.config, model.max_model_len),
         max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=engine.max_num_batched_tokens,
         block_size=vllm_block_size(engine.block_size, on_cpu), enable_prefix_caching=engine.enable_prefix_caching,

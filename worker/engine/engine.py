@@ -16,10 +16,11 @@ from shared.sampling import SamplingParams
 from shared.settings import EngineSettings, ModelSettings
 from worker.backends.base import EngineStats, RequestOutput, RequestRejected, check_request
 from worker.engine.block_manager import BlockManager
+from worker.engine.draft_proposer import DraftProposer, draft_num_blocks, load_draft_model
 from worker.engine.model_runner import DecodeLaunch, ModelRunner, decode_inputs, kv_cache_dtype
 from worker.engine.request import Request
 from worker.engine.scheduler import Scheduler, SchedulerOutput
-from worker.engine.spec_decode import NgramProposer, SpecStats
+from worker.engine.spec_decode import NgramProposer, Proposer, SpecStats
 from worker.models.config import ModelConfig
 from worker.models.fp8 import resolve_quantization
 from worker.models.loader import build_model
@@ -43,14 +44,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def num_kv_blocks(cfg: ModelConfig, settings: EngineSettings, dtype: torch.dtype, device: torch.device) -> int:
+def num_kv_blocks(cfg: ModelConfig, settings: EngineSettings, dtype: torch.dtype, device: torch.device,
+                  draft_cfg: ModelConfig | None = None) -> int:
     """KV blocks that fit: the explicit count, ``kv_cache_bytes`` on CPU, or on CUDA the
     part of ``gpu_memory_utilization`` left after weights and a worst-case step's
-    activations (estimated as 24 bytes per hidden unit per batched token plus logits)."""
+    activations (estimated as 24 bytes per hidden unit per batched token plus logits).
+    With a draft model (``draft_cfg``, speculative decoding) a block's bytes include the
+    draft's block, as its cache has as many (``draft_proposer.draft_num_blocks``)."""
     if settings.num_kv_blocks:
         return settings.num_kv_blocks
     elem = torch.empty((), dtype=kv_cache_dtype(settings.kv_cache_dtype, dtype)).element_size()
-    block_bytes = cfg.kv_bytes_per_token(elem) * settings.block_size
+    block_bytes = (cfg.kv_bytes_per_token(elem) + (draft_cfg.kv_bytes_per_token(elem) if draft_cfg else 0)) \
+        * settings.block_size
     if device.type != "cuda":
         return max(1, settings.kv_cache_bytes // block_bytes)
     free, total = torch.cuda.mem_get_info(device)
@@ -94,7 +99,11 @@ class LLMEngine:
         quantization, prequantized = resolve_quantization(model_settings.quantization, source.config)
         model = build_model(self.model_config, source.path, source.dummy, self.dtype, self.device,
                             self.max_model_len, model_settings.seed, quantization, prequantized)
-        num_blocks = num_kv_blocks(self.model_config, self.engine_settings, self.dtype, self.device)
+        es = self.engine_settings
+        draft = load_draft_model(es, model_settings, source, self.dtype, self.device, self.max_model_len) \
+            if es.speculative_method == "draft" else None
+        num_blocks = num_kv_blocks(self.model_config, es, self.dtype, self.device,
+                                   draft.config if draft is not None else None)
         self.runner = ModelRunner(model, self.engine_settings, num_blocks, self.max_model_len, self.dtype,
                                   self.device, model_settings.seed)
         self.scheduler = Scheduler(BlockManager(num_blocks, self.engine_settings.block_size,
@@ -105,10 +114,14 @@ class LLMEngine:
                                    # slow prefills down: it bounds mixed steps against graph replays.
                                    self.engine_settings.prefill_tokens_per_decode if self.runner.graphs else 0)
         self.eos_token_ids = eos_token_ids(source.config)
-        es = self.engine_settings
-        # Speculative decoding (worker/engine/spec_decode.py); None: off.
-        self.proposer = NgramProposer(es.num_speculative_tokens, es.speculative_ngram_max, es.speculative_ngram_min,
-                                      es.speculative_token_cost) if es.speculative_method == "ngram" else None
+        # Speculative decoding (worker/engine/spec_decode.py, draft_proposer.py); None: off.
+        self.proposer: Proposer | None = None
+        if es.speculative_method == "ngram":
+            self.proposer = NgramProposer(es.num_speculative_tokens, es.speculative_ngram_max,
+                                          es.speculative_ngram_min, es.speculative_token_cost)
+        elif draft is not None:
+            self.proposer = DraftProposer(draft, es, draft_num_blocks(num_blocks, es), self.max_model_len,
+                                          self.dtype, self.device)
         # Structured outputs: the llguidance tokenizer is built on the first such request.
         self.grammars = GrammarCache(
             partial(build_tokenizer, source.path, self.model_config.vocab_size, self.eos_token_ids)
@@ -193,6 +206,9 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
         out = self.scheduler.schedule()
+        if self.proposer is not None:
+            for request in out.preempted:  # a draft model's KV of it is recomputed when it resumes
+                self.proposer.preempted(request.request_id)
         if out.is_empty:
             return []
         if self._async_decode_ok(out):

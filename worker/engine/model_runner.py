@@ -49,6 +49,9 @@ from worker.engine.spec_decode import verify
 from worker.models.attention import AttentionMetadata, select_backend
 from worker.models.config import ModelConfig
 from worker.models.llama import KVCache, LlamaForCausalLM
+from worker.parallel import group as tp_group
+from worker.parallel.layers import TensorParallelLM
+from worker.parallel.step_sync import StepSync
 from worker.structured.bitmask import GrammarMasks
 
 log = logging.getLogger(__name__)
@@ -112,8 +115,17 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = settings.block_size
+        # Tensor parallelism (worker/parallel/): every rank runs this constructor in
+        # lockstep (graph captures hold collectives); rank 0's block count is the group's.
+        self.tp = tp_group.current()
+        if settings.tensor_parallel_size != (self.tp.world_size if self.tp else 1):
+            raise RuntimeError(f"--tensor-parallel-size {settings.tensor_parallel_size} but this process is in "
+                               f"no group of that size (start one first: worker/parallel/group.py)")
+        if self.tp is not None:
+            num_blocks = self.tp.broadcast_int(num_blocks)
+        self.step_sync: StepSync | None = None  # rank 0 of a group: announces each model call
         self.num_blocks = num_blocks
-        self.kv_caches = allocate_kv_cache(self.cfg, num_blocks, self.block_size,
+        self.kv_caches = allocate_kv_cache(model.shard_config, num_blocks, self.block_size,
                                            kv_cache_dtype(settings.kv_cache_dtype, dtype), device)
         self.backend = select_backend(settings.attention_backend, device, settings.kv_cache_dtype)
         model.check_backend(self.backend)  # e.g. a sliding window the backend cannot honour
@@ -127,6 +139,8 @@ class ModelRunner:
         self.graph_memory_bytes = 0  # device memory the graphs and warm-up kept
         if device.type == "cuda" and not settings.enforce_eager and self.backend.name == "triton":
             self._capture(settings)
+        if self.tp is not None and self.tp.rank == 0 and isinstance(model, TensorParallelLM):
+            self.step_sync = model.sync = StepSync(self.tp.group, self.tp.device, self.cfg.hidden_size, dtype)
         log.info("model runner: %d KV blocks of %d tokens (%s), %s attention, %s on %s, decode graphs %s, "
                  "mixed-step graphs %s", num_blocks, self.block_size, self.kv_caches[0][0].dtype,
                  self.backend.name, dtype, device,
@@ -141,7 +155,7 @@ class ModelRunner:
         free_before = torch.cuda.mem_get_info(self.device)[0]
         max_blocks = -(-self.max_model_len // self.block_size)
         pool = torch.cuda.graph_pool_handle()
-        if settings.mixed_cuda_graphs:
+        if settings.mixed_cuda_graphs and self.tp is None:  # under TP, mixed steps run eagerly
             self.mixed = MixedGraphs(self.model, self.kv_caches, self.backend, settings.max_num_seqs,
                                      settings.max_num_batched_tokens, max_blocks, self.max_model_len,
                                      self.block_size, self.device)
@@ -178,14 +192,15 @@ class ModelRunner:
     def _eager_inputs(self, batch: Sequence[ScheduledRequest]
                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """``prepare``'s tuple for an eager step. With the mixed-step graphs, a step that
-        fits them (one that scores prompt logprobs) is packed as a replay would be: the
-        graphs' buffers, tokens padded to the bucket, ``max_num_seqs`` sequences, their
+        fits them (one that scores prompt logprobs; not a speculative one) is packed as a
+        replay would be: the graphs' buffers, tokens padded to the bucket, ``max_num_seqs`` sequences, their
         hints; so its Triton kernels get the arguments they were compiled for at capture
         (Triton specialises on integer values and pointer alignment), and nothing compiles
         when such a request first comes. Its hidden rows past the step's tokens are padding."""
         mixed = self.mixed
         num_tokens = sum(item.num_tokens for item in batch)
-        if mixed is None or not mixed.fits(num_tokens, len(batch)):
+        # A speculative step scores 1 + k rows per sequence: more than the graphs' buffers hold.
+        if mixed is None or not mixed.fits(num_tokens, len(batch)) or any(item.num_spec_tokens for item in batch):
             return self.prepare(batch)
         bucket = next(b for b in mixed.buckets if b >= num_tokens)
         shape = mixed.inputs.fill(batch, pad_tokens_to=bucket)
@@ -216,6 +231,8 @@ class ModelRunner:
         graphs.inputs.upload()
         if on_device:  # stream-ordered after the upload and the step that sampled them
             graphs.inputs.dev64[:len(requests)].copy_(input_ids)  # type: ignore[arg-type]
+        if self.step_sync is not None:  # the other ranks replay the same bucket on these inputs
+            self.step_sync.send_decode(graphs.inputs.dev64, graphs.inputs.dev32, len(requests), max(lens))
         return graphs.run(len(requests), max(lens), upload=False)
 
     def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> tuple[torch.Tensor, RawLogprobs | None]:

@@ -18,7 +18,11 @@ in (priority, arrival) order, a preempted request goes back to the head of its c
 and the running request preempted for KV space is the lowest class's most recently
 admitted. A waiting request that finds no sequence slot or KV blocks preempts running
 requests of a strictly lower class (``_preempt_for``), lowest first, until it fits;
-never one of its own class, so with one class this is plain FCFS.
+never one of its own class, so with one class this is plain FCFS. While a request of a
+higher class than some running one waits or is mid-prefill, the step carries only its
+class and the higher ones (``_priority_floor``): the lower classes' decodes pause for
+that step (they keep their blocks), so its prefill runs in a short step, at most
+``MAX_PRIORITY_PAUSES`` steps in a row.
 
 The scheduler owns the block manager: the engine asks it, not the block manager, how
 many requests to admit (``num_admittable``) and whether a decode step may follow one
@@ -42,6 +46,12 @@ from worker.engine.request import Request, RequestStatus
 #: H100 at 512-token prompts), so a smaller cap would only add steps while few sequences
 #: decode (a start-up ramp), each reading every weight once more.
 MIN_PREFILL_TOKENS = 512
+#: Most consecutive steps in which running requests of a lower class pause for a higher
+#: class's prefill (``Scheduler._priority_floor``); the step after them carries every
+#: running request, so a lower class is slowed, never starved. A new request's prompt
+#: (up to ``max_num_batched_tokens``) takes one step, so a few cover the chunks of a
+#: long prompt or several arrivals in a row.
+MAX_PRIORITY_PAUSES = 4
 
 
 @dataclass(slots=True)
@@ -109,6 +119,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        #: Consecutive steps that paused a lower class (``_priority_floor``).
+        self.num_paused_steps = 0
 
     # -- queue management ---------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -174,13 +186,16 @@ class Scheduler:
         """Pick this step's requests and token counts, allocating their blocks."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        prefill_budget = self._prefill_budget()
+        floor = self._priority_floor()
+        prefill_budget = self._prefill_budget(floor)
         scheduled_ids: set[str] = set()
         bm = self.block_manager
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.priority > floor:
+                break  # paused this step: the rest are of lower classes still (class order)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             # A decode with drafts verifies them in the same step, as far as the budget
             # and the free blocks go: a block stays free for each running request after
@@ -225,6 +240,8 @@ class Scheduler:
             request = self.waiting[i]
             if out.preempted and request.priority >= min(r.priority for r in out.preempted):
                 break
+            if request.priority > floor:
+                break  # its class's decodes pause this step: it would only lengthen it
             # A request that asks for prompt logprobs computes every prompt position: a
             # cached block has no logits (vLLM v1 skips the lookup too).
             cached = [] if request.prompt_logprobs is not None else bm.find_cached_prefix(request)
@@ -261,16 +278,40 @@ class Scheduler:
             prefill_budget -= num_new
         return out
 
-    def _prefill_budget(self) -> int:
+    def _priority_floor(self) -> float:
+        """The lowest class (largest ``priority``) this step carries: every class
+        (``inf``), unless a request of a class above the lowest running one waits (the
+        first waiting request: the highest class) or is running mid-prefill. Then its
+        class, so the lower classes' decodes pause for this step and it prefills in a
+        step of its class's size, as on an idle engine, not beside all of theirs (on CPU
+        a step's time grows with its tokens). Paused requests are neither preempted nor
+        freed: they decode again in the next step that carries their class, at the latest
+        after ``MAX_PRIORITY_PAUSES`` paused steps in a row. (vLLM's priority policy
+        touches a lower class only when it runs out of room, by preemption; a pause costs
+        it one step and no recompute.) Same-class arrivals pause nobody: under a flood
+        every step admits one, and decodes would stall in every step."""
+        if self.running and self.num_paused_steps < MAX_PRIORITY_PAUSES:
+            lowest = self.running[-1].priority  # class order: the last is of the lowest class
+            urgent = [r.priority for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+            if self.waiting:
+                urgent.append(self.waiting[0].priority)
+            if urgent and min(urgent) < lowest:
+                self.num_paused_steps += 1
+                return min(urgent)
+        self.num_paused_steps = 0
+        return float("inf")
+
+    def _prefill_budget(self, floor: float = float("inf")) -> int:
         """Most prefill tokens this step may carry: ``prefill_tokens_per_decode`` per
-        running request that decodes (one new token), and at least ``MIN_PREFILL_TOKENS``;
+        running request of class ``floor`` or above that decodes (one new token), and at
+        least ``MIN_PREFILL_TOKENS``;
         unbounded with no decode or no cap. A mixed step then takes a bounded multiple of
         a decode step's time, so decoding sequences see no inter-token spike when a long
         prompt arrives (Sarathi-Serve's stall-free batching, Agrawal et al., OSDI 2024,
         sizes chunks for a latency target the same way)."""
         if self.prefill_tokens_per_decode <= 0:
             return self.max_num_batched_tokens
-        num_decodes = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        num_decodes = sum(r.num_tokens - r.num_computed_tokens == 1 and r.priority <= floor for r in self.running)
         if num_decodes == 0:
             return self.max_num_batched_tokens
         return max(MIN_PREFILL_TOKENS, self.prefill_tokens_per_decode * num_decodes)

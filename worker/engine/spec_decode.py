@@ -1,5 +1,6 @@
-"""Speculative decoding: n-gram prompt-lookup proposals, an adaptive draft length, and
-the acceptance rule that keeps the target model's output distribution.
+"""Speculative decoding: the proposers' common part (an adaptive draft length per
+request), n-gram prompt-lookup proposals, and the acceptance rule that keeps the target
+model's output distribution. The draft-model proposer is ``draft_proposer.py``.
 
 A step verifies a request's ``k`` proposed tokens in one forward pass: the scheduler
 gives it ``1 + k`` query tokens (its last sampled token, then the drafts), the model
@@ -14,7 +15,8 @@ Decoding", ICML 2023; Chen et al., "Accelerating Large Language Model Decoding w
 Speculative Sampling", 2023): with target distribution ``p`` and draft distribution
 ``q``, draft token ``x ~ q`` is accepted with probability ``min(1, p(x) / q(x))``; on
 rejection the token is drawn from ``norm(max(0, p - q))``, and the result is distributed
-exactly as ``p``. An n-gram proposal is a point mass, ``q = delta_d``, so ``q(d) = 1``:
+exactly as ``p``. An n-gram proposal, and a greedy draft model's (``draft_proposer.py``), is a
+point mass, ``q = delta_d``, so ``q(d) = 1``:
 accept ``d`` with probability ``p(d)``; on rejection ``max(0, p - delta_d)`` is ``p``
 with ``p(d)`` set to 0 (``p(d) - 1 <= 0``), so draw from ``p`` without ``d``,
 renormalised. ``verify`` realises this by drawing ``x ~ p`` as the plain sampler does and
@@ -52,7 +54,7 @@ class SpecStats:
     num_verify_steps: int = 0  # request-steps that verified at least one draft
     num_draft_tokens: int = 0  # drafts proposed and verified
     num_accepted_tokens: int = 0  # drafts accepted
-    proposer_time_s: float = 0.0  # host time spent proposing, seconds
+    proposer_time_s: float = 0.0  # wall time spent proposing (a draft model's up to its drafts on the host), s
 
     @property
     def acceptance_rate(self) -> float:
@@ -116,15 +118,16 @@ def choose_num_drafts(alpha: float, max_k: int, token_cost: float, batch_size: i
     return best_k
 
 
-class NgramProposer:
-    """Proposes drafts for decoding requests and learns each one's acceptance rate.
+class Proposer:
+    """Proposes drafts for decoding requests and learns each one's acceptance rate; the
+    n-gram and draft-model proposers fill in ``_propose``.
 
     ``alpha`` per request is ``(accepted + 1) / (accepted + rejections + 2)`` over its
     recent verify steps (a Beta(1, 1) prior, counts halved when they pass 32 so the
     estimate follows the text: a copied passage ends, a new one starts)."""
 
-    def __init__(self, max_k: int, max_n: int, min_n: int, token_cost: float) -> None:
-        self.max_k, self.max_n, self.min_n, self.token_cost = max_k, max_n, min_n, token_cost
+    def __init__(self, max_k: int, token_cost: float) -> None:
+        self.max_k, self.token_cost = max_k, token_cost
         self._counts: dict[str, tuple[float, float]] = {}  # request id -> (accepted, rejections)
         self.stats = SpecStats()
 
@@ -145,6 +148,7 @@ class NgramProposer:
         a step emits up to ``k + 1`` tokens."""
         t0 = time.perf_counter()
         batch = len(running)
+        wanted: list[tuple[Request, int]] = []
         for r in running:
             r.spec_token_ids = []
             if not self.eligible(r):
@@ -152,8 +156,14 @@ class NgramProposer:
             k = min(choose_num_drafts(self.alpha(r.request_id), self.max_k, self.token_cost, batch),
                     r.sampling.max_tokens - r.num_output_tokens - 1)
             if k > 0:
-                r.spec_token_ids = ngram_propose(r.token_ids, self.max_n, self.min_n, k)
+                wanted.append((r, k))
+        if wanted:
+            self._propose(wanted)
         self.stats.proposer_time_s += time.perf_counter() - t0
+
+    def _propose(self, wanted: list[tuple[Request, int]]) -> None:
+        """Set ``spec_token_ids`` of each ``(request, k)`` to at most ``k`` drafts."""
+        raise NotImplementedError
 
     def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """Count one verify step of ``num_drafts`` drafts of which ``num_accepted`` passed."""
@@ -167,8 +177,24 @@ class NgramProposer:
             accepted, rejected = accepted / 2, rejected / 2
         self._counts[request_id] = (accepted, rejected)
 
+    def preempted(self, request_id: str) -> None:
+        """The request was preempted: drop what it holds that a recompute rebuilds."""
+
     def free(self, request_id: str) -> None:
+        """The request finished: drop everything kept for it."""
         self._counts.pop(request_id, None)
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup (``ngram_propose``) over each request's own tokens."""
+
+    def __init__(self, max_k: int, max_n: int, min_n: int, token_cost: float) -> None:
+        super().__init__(max_k, token_cost)
+        self.max_n, self.min_n = max_n, min_n
+
+    def _propose(self, wanted: list[tuple[Request, int]]) -> None:
+        for r, k in wanted:
+            r.spec_token_ids = ngram_propose(r.token_ids, self.max_n, self.min_n, k)
 
 
 def verify(probs: torch.Tensor | None, argmax: torch.Tensor, drafts: Sequence[int],

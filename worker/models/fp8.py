@@ -1,37 +1,49 @@
-"""FP8 (E4M3) weights: per-output-channel quantization, the scaled matmul and its reference.
+"""FP8 (E4M3) weights: 128x128 block or per-output-channel scales, the products and their reference.
 
 ``--quantization fp8`` stores the decoder layers' linear weights (``qkv_proj``,
-``o_proj``, ``gate_up_proj``, ``down_proj``) as ``float8_e4m3fn [N, K]`` with one float32
-scale per output channel (``weight_scale [N]``, ``w ~= w_fp8 * scale[:, None]``, the
-scale ``amax(|w[n]|) / 448``); the activations are quantized per token on the fly
-(``x [M, K]`` with ``scale [M, 1]``). On CUDA the product is one
-``torch._scaled_mm(x_fp8, w_fp8.T, scale_a [M, 1], scale_b [1, N], out_dtype=bf16)``
-(cuBLASLt's row-wise scaled FP8 GEMM, SM89+; K and N multiples of 16), which halves the
-bytes a decode step reads. Every step is device-side (no host sync), so the product is
-captured into CUDA graphs like any other. Why per-channel and not DeepSeek-V3's 128x128
-blocks: measured on the H100 (``docs/benchmarks.md``, "FP8 weights").
+``o_proj``, ``gate_up_proj``, ``down_proj``) as ``float8_e4m3fn [N, K]`` with float32
+scales, ``w ~= w_fp8 * scale`` and each scale ``amax / 448`` of what it covers. Two layouts
+(``FP8_SCHEMES``), told apart by the scale's rank:
 
-Per-channel scales also fit our fused projections: q/k/v (gate/up) rows keep their own
-scales when stacked into ``qkv_proj`` (``gate_up_proj``), so a checkpoint's shards load
-without requantizing.
+- ``block`` (the default for weights quantized at load): one scale per 128x128 block,
+  ``weight_scale [ceil(N / 128), ceil(K / 128)]``, as DeepSeek-V3 and vLLM's block FP8;
+- ``channel``: one scale per output channel, ``weight_scale [N]``; what per-tensor and
+  per-channel FP8 checkpoints hold.
+
+Why blocks: on the default model they keep perplexity within 0.2% of float32 where
+per-channel scales lose 3.5% (a row's amax is set by a few outlier columns, pushing the
+rest of the row into e4m3's subnormals); docs/benchmarks.md, "FP8 weights", has the
+measured table (``bench/fp8_quality.py``).
+
+On CUDA a product of up to ``GEMV_MAX_ROWS`` rows (decode) is ``kernels/fp8_gemv.py``: the
+activations stay in bfloat16 and the weight is streamed once, dequantized in registers
+(W8A16). Larger products (prefill) quantize the activations and run cuBLASLt's FP8 GEMM,
+``torch._scaled_mm``: per token with ``channel`` weights (row-wise scaling, SM89+), per
+1x128 group with ``block`` weights (DeepSeek-V3's recipe, SM90 and CUDA 12.9+; K and N
+multiples of 128, rows padded to a multiple of 16 for it); a ``block`` layer whose dims
+are not multiples of 128 dequantizes its weight for a ``F.linear`` instead. Every step is
+device-side (no host sync), so the products are captured into CUDA graphs like any other.
+
+On CPU (the reference, used by the quality test and bench/fp8_quality.py) the weights
+are rounded through E4M3 with their scales at load and stored back in the model dtype
+(``Linear.dequantize_fp8``), and each product's input is rounded through E4M3 as the
+prefill path does (``round_inputs``: per token for ``channel``, per 1x128 group for
+``block``): the error of what CUDA serves, or slightly more for decode rows, which
+CUDA does not round.
 
 Embeddings, the LM head, norms, the MoE router and the MoE experts stay in the model
 dtype (the experts' fused kernel, ``kernels/fused_moe.py``, has no FP8 path).
 
-On CPU (the reference, used by the quality test and bench/fp8_quality.py) the weights
-are rounded through E4M3 with their scales at load and stored back in the model dtype
-(``Linear.dequantize_fp8``), and the activations are rounded through E4M3 per token in
-each product: the same numbers as the CUDA path up to the accumulation order.
-
 Checkpoints already saved in FP8 (``config.json`` ``quantization_config`` with
 ``quant_method: "fp8"``, as vLLM's and llm-compressor's per-tensor or per-channel FP8
 write them: ``weight`` in ``float8_e4m3fn`` and ``weight_scale`` ``[]``, ``[1]``,
-``[N]`` or ``[N, 1]``) load as they are; block-wise checkpoints (``weight_block_size``,
-``weight_scale_inv``) are refused (``checkpoint_fp8_error``). Static activation scales
-(``input_scale``) are ignored: activations are always scaled per token.
+``[N]`` or ``[N, 1]``) load as they are, in the ``channel`` layout; block-wise
+checkpoints (``weight_block_size``, ``weight_scale_inv``) are refused
+(``checkpoint_fp8_error``). Static activation scales (``input_scale``) are ignored.
 
-Source: Micikevicius et al., "FP8 Formats for Deep Learning" (2022); the row-wise
-``_scaled_mm`` use as vLLM's ``Fp8LinearOp`` (per-token activations, per-channel weights).
+Source: Micikevicius et al., "FP8 Formats for Deep Learning" (2022); DeepSeek-V3
+(arXiv:2412.19437, section 3.3) for the block layout; the row-wise ``_scaled_mm`` use as
+vLLM's ``Fp8LinearOp`` (per-token activations, per-channel weights).
 """
 
 from __future__ import annotations
@@ -39,13 +51,30 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from kernels.fp8_quant import FP8_DTYPE, FP8_MAX, quantize_rows, quantize_rows_ref
+from kernels.fp8_gemv import dequantize_weight, fp8_gemv
+from kernels.fp8_quant import (
+    FP8_BLOCK,
+    FP8_DTYPE,
+    FP8_MAX,
+    quantize_blocks_ref,
+    quantize_groups,
+    quantize_groups_ref,
+    quantize_rows,
+    quantize_rows_ref,
+)
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "quantize_rows", "quantize_rows_ref"]
+__all__ = ["FP8_BLOCK", "FP8_DTYPE", "FP8_MAX", "dequantize_weight", "quantize_rows", "quantize_rows_ref"]
 
 #: ``torch._scaled_mm`` needs K and N multiples of this.
 SCALED_MM_ALIGN = 16
+#: Weight layouts (see the module docstring); the first is the default of ``--quantization fp8``.
+FP8_SCHEMES = ("block", "channel")
+#: Products of up to this many rows run ``kernels/fp8_gemv.py`` on CUDA (W8A16, the
+#: decode steps of up to 16 sequences); larger ones ``torch._scaled_mm``. Measured
+#: crossover: bench/fp8_gemm_bench.py (docs/benchmarks.md, "FP8 weights").
+GEMV_MAX_ROWS = 16
 
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -58,35 +87,80 @@ def fake_quantize_rows(x: torch.Tensor) -> torch.Tensor:
     return dequantize_rows(*quantize_rows_ref(x), dtype=x.dtype)
 
 
+def round_inputs(x: torch.Tensor, block_scales: bool) -> torch.Tensor:
+    """``x [M, K]`` rounded through E4M3 as the prefill path quantizes it: per 1x128 group
+    for ``block`` weights (``block_scales``), per token for ``channel`` ones; ``x``'s dtype."""
+    if not block_scales:
+        return fake_quantize_rows(x)
+    q, scale = quantize_groups_ref(x)
+    return (q.float() * scale.repeat_interleave(FP8_BLOCK, 1)[:, :x.shape[1]]).to(x.dtype)
+
+
+def quantize_weight(weight: torch.Tensor, scheme: str = FP8_SCHEMES[0]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [N, K]`` in E4M3 with its scales: ``[ceil(N / 128), ceil(K / 128)]`` for
+    ``block``, ``[N]`` for ``channel`` (float32).
+
+    Raises:
+        ValueError: an unknown ``scheme``.
+    """
+    if scheme == "block":
+        return quantize_blocks_ref(weight)
+    if scheme == "channel":
+        q, scale = quantize_rows(weight)
+        return q, scale.view(-1)
+    raise ValueError(f"unknown FP8 scheme {scheme!r} (supported: {', '.join(FP8_SCHEMES)})")
+
+
 def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The PyTorch reference of ``fp8_linear``: ``x [M, K]`` rounded per token, times the
-    dequantized ``weight [N, K]`` (E4M3, ``weight_scale [N]`` float32), in float32, plus
-    ``bias [N]``; returns ``[M, N]`` in ``x``'s dtype."""
-    out = dequantize_rows(*quantize_rows_ref(x)) @ dequantize_rows(weight, weight_scale).T
+    """The PyTorch reference of ``fp8_linear``'s prefill path: ``x [M, K]`` rounded
+    (``round_inputs``), times the dequantized ``weight [N, K]`` (E4M3, ``weight_scale``
+    ``[N]`` or 128x128 blocks) in float32, plus ``bias [N]``; ``[M, N]`` in ``x``'s dtype."""
+    out = round_inputs(x.float(), weight_scale.dim() == 2) @ dequantize_weight(weight, weight_scale).T
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
 
 
+def block_mm_fits(out_features: int, in_features: int) -> bool:
+    """Whether a ``[out, in]`` block-scaled weight runs in ``torch._scaled_mm`` (dims
+    multiples of ``FP8_BLOCK``)."""
+    return out_features % FP8_BLOCK == 0 and in_features % FP8_BLOCK == 0
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ dequant(weight).T + bias`` with ``x [M, K]`` (bfloat16 or float16) quantized
-    per token: ``torch._scaled_mm`` on CUDA, ``fp8_linear_ref`` elsewhere.
+    """``x @ dequant(weight).T + bias`` with ``x [M, K]`` (bfloat16 or float16): on CUDA
+    ``fp8_gemv`` up to ``GEMV_MAX_ROWS`` rows, else ``torch._scaled_mm`` on quantized
+    activations (module docstring); ``fp8_linear_ref`` off CUDA.
 
     Args:
         weight: ``[N, K]`` float8_e4m3fn, row-major (``_scaled_mm`` takes its transpose,
             column-major, as it requires); K and N multiples of ``SCALED_MM_ALIGN``.
-        weight_scale: ``[N]`` float32.
+        weight_scale: float32, ``[N]`` (``channel``) or ``[ceil(N / 128), ceil(K / 128)]``
+            (``block``).
         bias: ``[N]`` in ``x``'s dtype, or None.
     Returns:
         ``[M, N]`` in ``x``'s dtype.
     """
     if not x.is_cuda:
         return fp8_linear_ref(x, weight, weight_scale, bias)
-    q, scale = quantize_rows(x.contiguous())
-    out = torch._scaled_mm(q, weight.T, scale_a=scale, scale_b=weight_scale.view(1, -1),
-                           out_dtype=torch.bfloat16)
+    m = x.shape[0]
+    if m <= GEMV_MAX_ROWS:
+        return fp8_gemv(x, weight, weight_scale, bias)
+    n, k = weight.shape
+    if weight_scale.dim() == 1:
+        q, scale = quantize_rows(x.contiguous())
+        out = torch._scaled_mm(q, weight.T, scale_a=scale, scale_b=weight_scale.view(1, -1),
+                               out_dtype=torch.bfloat16)
+    elif block_mm_fits(n, k):
+        pad = -m % SCALED_MM_ALIGN
+        q, scale = quantize_groups(F.pad(x, (0, 0, 0, pad)) if pad else x.contiguous())
+        # Both scales "outer-dim-major" (column-major) as cuBLASLt's block scaling wants them.
+        out = torch._scaled_mm(q, weight.T, scale_a=scale.t().contiguous().t(), scale_b=weight_scale.t(),
+                               out_dtype=torch.bfloat16)[:m]
+    else:
+        return F.linear(x, dequantize_weight(weight, weight_scale, x.dtype), bias)
     out = out if x.dtype == torch.bfloat16 else out.to(x.dtype)
     return out if bias is None else out + bias
 

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.models.fp8 import FP8_DTYPE, dequantize_rows, fake_quantize_rows, fp8_linear, quantize_rows
+from worker.models.fp8 import FP8_DTYPE, FP8_SCHEMES, dequantize_weight, fp8_linear, quantize_weight, round_inputs
 
 #: Rows (tokens) up to which a packed weight is always used.
 PACKED_MAX_ROWS = 256
@@ -142,32 +142,40 @@ class Linear(nn.Linear):
 
     packed: PackedWeight | None = None
     #: ``dequantize_fp8`` ran: the weight is on the E4M3 grid in the model dtype, and
-    #: inputs are rounded through E4M3 per token (the CPU reference of the FP8 path).
+    #: inputs are rounded through E4M3 (the CPU reference of the FP8 path).
     fp8_reference: bool = False
+    #: The reference's weight had 128x128 block scales: inputs are rounded per 1x128
+    #: group, else per token (``fp8.round_inputs``).
+    fp8_block_scales: bool = False
 
     def prepack(self, max_rows: int = PACKED_MAX_ROWS) -> None:
         self.packed = pack_weight(self.weight, max_rows)
 
     @property
     def is_fp8(self) -> bool:
-        """Whether the weight is stored in FP8 (with ``weight_scale [out] float32``)."""
+        """Whether the weight is stored in FP8 (with a float32 ``weight_scale``)."""
         return self.weight.dtype == FP8_DTYPE
 
-    def to_fp8(self) -> None:
-        """Quantize the weight per output channel to E4M3 (``fp8.quantize_rows``): the
-        ``weight`` parameter becomes ``[out, in]`` float8_e4m3fn and a ``weight_scale``
-        parameter ``[out]`` float32 holds the scales (parameters, so the checkpoint loader
-        fills and checks them like any other)."""
-        q, scale = quantize_rows(self.weight.detach())
+    def to_fp8(self, scheme: str = FP8_SCHEMES[0]) -> None:
+        """Quantize the weight to E4M3 (``fp8.quantize_weight``): the ``weight`` parameter
+        becomes ``[out, in]`` float8_e4m3fn and a ``weight_scale`` parameter float32 holds
+        the scales, ``[ceil(out / 128), ceil(in / 128)]`` for ``block``, ``[out]`` for
+        ``channel`` (parameters, so the checkpoint loader fills and checks them like any other).
+
+        Raises:
+            ValueError: an unknown ``scheme``.
+        """
+        q, scale = quantize_weight(self.weight.detach(), scheme)
         self.weight = nn.Parameter(q, requires_grad=False)
-        self.weight_scale = nn.Parameter(scale.view(-1), requires_grad=False)
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
         self.packed = None
 
     def dequantize_fp8(self, dtype: torch.dtype) -> None:
         """Turn an FP8 weight back into ``dtype`` (its values stay on the E4M3 grid times
         their scale) and round inputs through E4M3 from now on: the reference path."""
         assert self.is_fp8, "dequantize_fp8 needs to_fp8 first"
-        weight = dequantize_rows(self.weight, self.weight_scale, dtype)
+        weight = dequantize_weight(self.weight, self.weight_scale, dtype)
+        self.fp8_block_scales = self.weight_scale.dim() == 2
         del self.weight_scale
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.fp8_reference = True
@@ -176,7 +184,7 @@ class Linear(nn.Linear):
         if self.is_fp8:
             return fp8_linear(x, self.weight, self.weight_scale, self.bias)
         if self.fp8_reference:
-            x = fake_quantize_rows(x)
+            x = round_inputs(x, self.fp8_block_scales)
         return linear(x, self.weight, self.bias, self.packed)
 
 

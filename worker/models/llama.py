@@ -241,6 +241,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = cfg
+        # The heads and vocabulary rows this process holds, which size its KV cache: the
+        # whole model, or one rank's share under tensor parallelism (worker/parallel/layers.py).
+        self.shard_config = cfg
         self.max_positions = max_positions
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, max_positions) for i in range(cfg.num_layers))

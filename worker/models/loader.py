@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -15,6 +16,8 @@ from worker.models.fp8 import FP8_DTYPE, quantize_rows, scaled_mm_fits
 from worker.models.linear import UNLIMITED_ROWS, Linear, packed_linear_error
 from worker.models.llama import MLP, LlamaForCausalLM, RMSNorm
 from worker.models.moe import expert_row_ranges, hf_expert_target
+from worker.parallel import group as tp_group
+from worker.parallel.layers import ZERO, ShardSpec, TensorParallelLM, shard_spec, tensor_slice
 
 # HF name (after the "model." prefix is dropped) -> (our parameter, shard index) where
 # shard index says which slice of a fused parameter it fills (None: the whole tensor).
@@ -47,10 +50,14 @@ def _shard_bounds(cfg: ModelConfig, fused: str, index: int) -> tuple[int, int]:
 def load_hf_weights(model: LlamaForCausalLM, folder: Path) -> None:
     """Copy every ``*.safetensors`` tensor of ``folder`` into ``model`` (dtype cast).
 
+    Under tensor parallelism (``model.spec``, ``worker/parallel/layers.py``) each tensor
+    is read only in this rank's slice (``safe_open(...).get_slice``).
+
     Raises:
         WeightLoadError: unknown tensor name, shape mismatch, or missing parameters.
     """
-    cfg = model.config
+    cfg = model.shard_config
+    spec = getattr(model, "spec", None)
     params = dict(model.named_parameters())
     filled: set[str] = set()
     files = sorted(folder.glob("*.safetensors"))
@@ -66,11 +73,19 @@ def load_hf_weights(model: LlamaForCausalLM, folder: Path) -> None:
                     continue
                 if target not in params:
                     raise WeightLoadError(f"{file.name}: tensor {name} maps to unknown parameter {target}")
-                tensor = f.get_tensor(name)
                 param = params[target]
                 # Bounds of a stacked-experts parameter ([E, rows, cols]) index its first two dims merged.
                 rows = param.data.flatten(0, 1) if param.dim() == 3 else param.data
                 dest = param.data if bounds is None else rows[bounds[0]:bounds[1]]
+                tensor = f.get_tensor(name) if spec is None else _read_shard(f, name, spec)
+                if tensor is None:  # a row-parallel bias on a rank > 0: zero, so the all-reduce adds it once
+                    dest.zero_()
+                    filled.add(f"{target}#{bounds}")
+                    continue
+                if spec is not None and tensor.shape[0] < dest.shape[0] and target.endswith(
+                        ("embed_tokens.weight", "lm_head.weight")):  # the last vocab shard's padding rows
+                    dest[tensor.shape[0]:].zero_()
+                    dest = dest[:tensor.shape[0]]
                 if target.endswith(".weight_scale"):  # FP8: per-tensor ([] or [1]) or per-channel
                     tensor = tensor.float().reshape(-1).expand(dest.shape) if tensor.numel() == 1 \
                         else tensor.float().reshape(-1)
@@ -100,6 +115,19 @@ def load_hf_weights(model: LlamaForCausalLM, folder: Path) -> None:
     missing = {key for key in expected - filled if f"{key.split('#')[0]}#None" not in filled}
     if missing:
         raise WeightLoadError(f"parameters not in the checkpoint: {sorted(missing)[:5]} ...")
+
+
+def _read_shard(f: Any, name: str, spec: ShardSpec) -> torch.Tensor | None:
+    """Rank ``spec.rank``'s part of checkpoint tensor ``name`` (``layers.tensor_slice``),
+    read alone from the file; None: this rank keeps zeros."""
+    part = tensor_slice(spec, name.removeprefix("model."))
+    if part is None:
+        return f.get_tensor(name)
+    if part == ZERO:
+        return None
+    dim, start, stop = part  # type: ignore[misc]
+    sl = f.get_slice(name)
+    return sl[start:stop] if dim == 0 else sl[:, start:stop]
 
 
 def _map_name(cfg: ModelConfig, name: str) -> tuple[str | None, tuple[int, int] | None]:
@@ -170,16 +198,26 @@ def build_model(cfg: ModelConfig, folder: Path | None, dummy: bool, dtype: torch
     ``fp8.resolve_quantization``), loaded as they are. Off CUDA the FP8 weights are
     dequantized back into ``dtype`` (the reference path, ``Linear.dequantize_fp8``).
 
+    In a tensor-parallel group (``worker/parallel/group.py``) it builds this rank's share
+    (``worker/parallel/layers.py``): sharded at load, or dummy weights drawn per rank with
+    seed ``seed + rank``.
+
     Raises:
         WeightLoadError: see ``load_hf_weights``.
+        ValueError: under tensor parallelism, a config that does not split
+            (``layers.shard_spec``) or ``quantization`` other than ``"none"``.
     """
+    tp = tp_group.current()
+    if tp is not None and quantization != "none":
+        raise ValueError(f"--quantization {quantization} is not supported with --tensor-parallel-size")
     # Parameters are created in ``dtype`` (float32 first would need 4 bytes a parameter:
     # 122 GB for Qwen3-30B-A3B); the rotary tables name float32 themselves.
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(cfg, max_positions)
+            model = LlamaForCausalLM(cfg, max_positions) if tp is None else \
+                TensorParallelLM(shard_spec(cfg, tp.rank, tp.world_size), max_positions, tp.group)
     finally:
         torch.set_default_dtype(default_dtype)
     # Rotary tables stay float32; everything else takes the model dtype.
@@ -190,9 +228,12 @@ def build_model(cfg: ModelConfig, folder: Path | None, dummy: bool, dtype: torch
     load_fp8 = fp8 and prequantized and not (dummy or folder is None)
     if load_fp8:  # FP8 parameters first, so that the checkpoint's FP8 tensors land unchanged
         for m in fp8_linears(model):
-            m.to_fp8()
+            m.to_fp8("channel")  # the per-tensor / per-channel scales of FP8 checkpoints
     if dummy or folder is None:
-        init_dummy_weights(model, seed)
+        init_dummy_weights(model, seed if tp is None else seed + tp.rank)
+        if isinstance(model, TensorParallelLM) and model.spec.rank > 0:
+            for bias in model.row_parallel_biases():
+                bias.data.zero_()
     else:
         load_hf_weights(model, folder)
     if fp8:

@@ -1,0 +1,236 @@
+"""Weight-streaming FP8 product for few rows (decode): ``x [M, K]`` (bfloat16/float16,
+unquantized) times an E4M3 weight ``[N, K]`` dequantized in registers (W8A16).
+
+A decode step multiplies a handful of rows by every weight of the model, so its time is
+the time to read the weight bytes. cuBLASLt's FP8 GEMM reads them at about 1.7 TB/s at
+1-64 rows on an H100 (docs/benchmarks.md, "FP8 weights"), and needs the activations
+quantized first (one more launch per product). This kernel instead streams the weight:
+
+- grid ``(ceil(N / BLOCK_N), split)``: each program owns ``BLOCK_N`` output channels and
+  a ``k_per_split`` slice of K, walks it in ``BLOCK_K`` steps (a ``BLOCK_N x BLOCK_K``
+  FP8 tile, contiguous along K, pipelined ``num_stages`` deep), converts the tile to the
+  activations' dtype and multiplies it by the ``BLOCK_M x BLOCK_K`` activation tile with
+  ``tl.dot`` (rows padded to 16; the tensor cores idle, the loads do not);
+- split-K: where ``N / BLOCK_N`` programs would leave SMs idle (o_proj and down_proj of a
+  7B model have only 56 tiles of 64 channels for 132 SMs), K is cut so that about
+  ``PROGRAMS_PER_SM`` programs run per SM; the float32 partial sums go to a workspace
+  ``[split, M, N]`` and a second small kernel adds them, the bias, and casts;
+- scales: per output channel (``scale [N]``, applied once at the end) or per
+  ``FP8_BLOCK x FP8_BLOCK`` block (``scale [ceil(N / 128), ceil(K / 128)]``; ``BLOCK_K``
+  divides 128 and ``k_per_split`` is a multiple of 128, so each step's partial product
+  is multiplied by one scale per output channel).
+
+No host sync and no data-dependent launch: CUDA-graph capturable. Shapes are static per
+graph, so the launch plan (``plan``) is fixed per captured batch size.
+
+Source: the split-K GEMV scheme of FasterTransformer / TensorRT-LLM's weight-only
+kernels and vLLM's Triton ``w8a8_block_fp8_matmul`` (block-scale indexing).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from kernels.fp8_quant import FP8_BLOCK, FP8_DTYPE
+
+#: Programs per SM the split-K plan aims for (enough loads in flight to cover latency).
+#: With ``num_stages`` 3, the best single plan of bench/fp8_gemm_bench.py ``--sweep`` on
+#: the H100 over Qwen2.5-7B's four projections at 1 and 16 rows (0.114 ms a layer at one
+#: row against 0.123 for 2 and 4 stages; bench/results/fp8_gemm_sweep_h100.json).
+PROGRAMS_PER_SM = 4
+#: Smallest K slice one program streams (fewer steps would not fill the pipeline).
+MIN_K_PER_SPLIT = 512
+#: Largest row count the kernel takes (``BLOCK_M`` up to this; decode batches).
+MAX_ROWS = 64
+
+
+@dataclass(frozen=True)
+class GemvPlan:
+    """Launch parameters of one ``fp8_gemv`` shape (see the module docstring)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split: int
+    k_per_split: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def plan(m: int, n: int, k: int, num_sms: int, block_n: int = 64, block_k: int = FP8_BLOCK,
+         num_warps: int = 4, num_stages: int = 3, programs_per_sm: int = PROGRAMS_PER_SM) -> GemvPlan:
+    """The launch plan for ``[m, k] x [n, k]^T`` on a GPU with ``num_sms`` SMs: ``split``
+    so that ``ceil(n / block_n) * split`` reaches ``programs_per_sm * num_sms`` (each slice
+    at least ``MIN_K_PER_SPLIT`` long), slices a multiple of ``FP8_BLOCK``. The defaults
+    are the H100 sweep's best single plan (``PROGRAMS_PER_SM``).
+
+    Raises:
+        ValueError: ``m`` outside ``1..MAX_ROWS``, or ``block_k`` not dividing ``FP8_BLOCK``.
+    """
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"fp8_gemv takes 1..{MAX_ROWS} rows, got {m}")
+    if FP8_BLOCK % block_k:
+        raise ValueError(f"block_k must divide {FP8_BLOCK}, got {block_k}")
+    tiles_n = _cdiv(n, block_n)
+    target = programs_per_sm * num_sms
+    split = 1 if tiles_n >= target else max(1, min(_cdiv(target, tiles_n), k // MIN_K_PER_SPLIT))
+    k_per_split = _cdiv(_cdiv(k, split), FP8_BLOCK) * FP8_BLOCK
+    split = _cdiv(k, k_per_split)
+    block_m = max(16, 1 << (m - 1).bit_length())
+    return GemvPlan(block_m, block_n, block_k, split, k_per_split, num_warps, num_stages)
+
+
+def fp8_gemv_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """PyTorch reference of ``fp8_gemv``: ``x`` (unrounded) times the dequantized weight
+    in float32, plus ``bias``; ``[M, N]`` in ``x``'s dtype."""
+    out = x.float() @ dequantize_weight(weight, weight_scale).T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+def dequantize_weight(weight: torch.Tensor, weight_scale: torch.Tensor,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``weight [N, K]`` (E4M3) times its scales in ``dtype``: ``weight_scale`` 1-D ``[N]``
+    (per channel) or 2-D ``[ceil(N / 128), ceil(K / 128)]`` (per 128x128 block)."""
+    n, k = weight.shape
+    w = weight.float()
+    if weight_scale.dim() == 2:
+        full = weight_scale.float().repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)
+        return (w * full[:n, :k]).to(dtype)
+    return (w * weight_scale.reshape(-1, 1).float()).to(dtype)
+
+
+def check_gemv_args(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    bias: torch.Tensor | None) -> None:
+    """Raises ``ValueError`` on shapes or dtypes ``fp8_gemv`` does not take."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x [M, K] and weight [N, K] expected, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if weight.dtype != FP8_DTYPE:
+        raise ValueError(f"weight must be {FP8_DTYPE}, got {weight.dtype}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
+    n, k = weight.shape
+    blocks = (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
+    if tuple(weight_scale.shape) not in ((n,), blocks):
+        raise ValueError(f"weight_scale must be [{n}] or {list(blocks)}, got {tuple(weight_scale.shape)}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn,
+                         stride_om, stride_sn, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr, SPLIT: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_m = offs_m < M
+        mask_n = offs_n < N
+        k_start = pid_k * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, K)
+        x_rows = x_ptr + offs_m[:, None] * stride_xm
+        w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < k_end
+            x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+            part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
+            if SCALE_BLOCK > 0:  # one scale per output channel for this step's 128 columns
+                s = tl.load(s_ptr + (offs_n // SCALE_BLOCK) * stride_sn + k0 // SCALE_BLOCK, mask=mask_n, other=0.0)
+                acc += part * s[None, :]
+            else:
+                acc += part
+        if SCALE_BLOCK == 0:
+            acc = acc * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+        mask = mask_m[:, None] & mask_n[None, :]
+        if SPLIT == 1:
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                     mask=mask)
+        else:
+            tl.store(part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
+
+    @triton.jit
+    def _splitk_sum_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om, SPLIT: tl.constexpr,
+                           BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < M * N
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
+        n = offs % N
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + (offs // N) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+             bias: torch.Tensor | None = None, gemv_plan: GemvPlan | None = None) -> torch.Tensor:
+    """``x @ dequant(weight).T + bias`` for few rows, the weight streamed once (W8A16).
+
+    Args:
+        x: ``[M, K]`` bfloat16 or float16 (float32 under the Triton interpreter), ``M`` in
+            ``1..MAX_ROWS``, last dim contiguous.
+        weight: ``[N, K]`` float8_e4m3fn, row-major.
+        weight_scale: float32, 1-D ``[N]`` (per channel) or 2-D
+            ``[ceil(N / 128), ceil(K / 128)]`` (per 128x128 block).
+        bias: ``[N]`` or None.
+        gemv_plan: launch parameters (default ``plan`` for this shape and GPU).
+    Returns:
+        ``[M, N]`` in ``x``'s dtype.
+    Raises:
+        ValueError: see ``check_gemv_args`` and ``plan``.
+        RuntimeError: Triton is not installed.
+    """
+    check_gemv_args(x, weight, weight_scale, bias)
+    if triton is None:
+        raise RuntimeError("fp8_gemv needs Triton")
+    m, k = x.shape
+    n = weight.shape[0]
+    x = x if x.stride(1) == 1 else x.contiguous()
+    weight = weight.contiguous()
+    p = gemv_plan or plan(m, n, k, _num_sms(x.device.index or 0) if x.is_cuda else 132)
+    block_scales = weight_scale.dim() == 2
+    scale = weight_scale.float().contiguous()
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    part = torch.empty(p.split, m, n, dtype=torch.float32, device=x.device) if p.split > 1 else out
+    has_bias = bias is not None
+    bias_arg = bias if has_bias else out
+    _fp8_gemv_kernel[(triton.cdiv(n, p.block_n), p.split)](
+        x, weight, scale, bias_arg, out, part, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        scale.stride(0) if block_scales else 0, p.k_per_split, BLOCK_M=p.block_m, BLOCK_N=p.block_n,
+        BLOCK_K=p.block_k, SCALE_BLOCK=FP8_BLOCK if block_scales else 0, SPLIT=p.split, HAS_BIAS=has_bias,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=p.num_warps,
+        num_stages=p.num_stages)
+    if p.split > 1:
+        block = 1024
+        _splitk_sum_kernel[(triton.cdiv(m * n, block),)](part, bias_arg, out, m, n, out.stride(0), SPLIT=p.split,
+                                                         BLOCK=block, HAS_BIAS=has_bias)
+    return out

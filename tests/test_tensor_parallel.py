@@ -1,0 +1,313 @@
+"""Tensor parallelism (``worker/parallel/``) on the CPU over gloo.
+
+A tiny Llama checkpoint (every bias on, a vocabulary that does not split evenly, so the
+last shard carries padding) is saved once as safetensors: TP=2 (this process as rank 0
+and one spawned follower, each reading only its slices) must give the greedy tokens of
+TP=1 and the same logits within 1e-5, through prefill, decode and prompt-logprob calls
+of the LM head. The sharding math is checked without processes by summing the shards'
+partial products by hand, for a split and a replicated-KV layout. Killing the follower
+must take the group down: rank 0's watcher fires and a step fails instead of hanging.
+
+The default model (SmolLM2-135M: 9 heads, 3 KV heads) does not split over 2 ranks; it is
+refused with the reason (``test_refuses_what_does_not_split``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from shared.model_source import DUMMY_CONFIGS
+from shared.sampling import SamplingParams
+from worker.models.config import ModelConfig
+from worker.models.llama import LlamaForCausalLM
+from worker.models.loader import load_hf_weights
+from worker.parallel.layers import ZERO, TensorParallelLM, shard_spec, tensor_slice
+
+HIDDEN, INTER, LAYERS, VOCAB, HEAD_DIM = 64, 96, 2, 251, 16
+ENGINE = {"dtype": "float32", "num_kv_blocks": 64, "max_num_seqs": 4, "cpu_threads": 1, "max_model_len": 256}
+PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 140)), [7, 7, 7]]
+#: The last request also scores its prompt and returns logprobs: more LM-head calls.
+PARAMS = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)] * 2 + [
+    SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=1)]
+
+
+def tiny_config(num_heads: int = 4, num_kv_heads: int = 2) -> dict:
+    return {"model_type": "llama", "hidden_size": HIDDEN, "intermediate_size": INTER, "num_hidden_layers": LAYERS,
+            "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads, "head_dim": HEAD_DIM,
+            "vocab_size": VOCAB, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "attention_bias": True,
+            "mlp_bias": True, "tie_word_embeddings": False, "max_position_embeddings": 512, "eos_token_id": 0}
+
+
+def write_checkpoint(folder: Path, config: dict, seed: int = 0) -> Path:
+    """A HF folder (config.json + one safetensors file) of random weights for ``config``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    gen = torch.Generator().manual_seed(seed)
+    nh, kv, d, h, i = (config["num_attention_heads"], config["num_key_value_heads"], HEAD_DIM, HIDDEN, INTER)
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * 0.1
+
+    t = {"model.embed_tokens.weight": r(VOCAB, h), "lm_head.weight": r(VOCAB, h), "model.norm.weight": 1 + r(h)}
+    for n in range(LAYERS):
+        p = f"model.layers.{n}."
+        shapes = {"self_attn.q_proj": (nh * d, h), "self_attn.k_proj": (kv * d, h), "self_attn.v_proj": (kv * d, h),
+                  "self_attn.o_proj": (h, nh * d), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h),
+                  "mlp.down_proj": (h, i)}
+        for name, shape in shapes.items():
+            t[f"{p}{name}.weight"], t[f"{p}{name}.bias"] = r(*shape), r(shape[0])
+        t[p + "input_layernorm.weight"], t[p + "post_attention_layernorm.weight"] = 1 + r(h), 1 + r(h)
+    save_file(t, str(folder / "model.safetensors"))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("tp") / "tiny", tiny_config())
+
+
+def generate(llm) -> tuple[list[list[int]], list[torch.Tensor], list]:
+    """Greedy tokens, every logits tensor rank 0's LM head returned, and the outputs."""
+    logits: list[torch.Tensor] = []
+    model = llm.engine.runner.model
+    compute = model.compute_logits
+    model.compute_logits = lambda hidden: logits.append(compute(hidden).clone()) or logits[-1]
+    try:
+        outs = llm.generate(PROMPTS, PARAMS)
+    finally:
+        del model.compute_logits
+    return [o.token_ids for o in outs], logits, outs
+
+
+@pytest.fixture(scope="module")
+def tp1(tiny_folder: Path):
+    from worker.llm import LLM
+
+    return generate(LLM(model=str(tiny_folder), device="cpu", **ENGINE))
+
+
+@contextlib.contextmanager
+def tp_engine(folder: Path, device: str, size: int = 2) -> Iterator[tuple]:
+    """Rank 0 of a TP=``size`` engine in this process (its followers are processes), the
+    group, and the follower deaths rank 0's watcher saw (instead of exiting the test
+    process)."""
+    from shared.model_source import resolve_model
+    from shared.settings import EngineSettings, ModelSettings
+    from worker.llm import LLM
+    from worker.parallel.follower import start_for_engine
+
+    deaths: list[float] = []
+    engine = {k: v for k, v in ENGINE.items() if k not in ("dtype", "max_model_len")}
+    group = start_for_engine(resolve_model(str(folder)),
+                             ModelSettings(model=str(folder), dtype="float32", max_model_len=256, device=device),
+                             EngineSettings(tensor_parallel_size=size, **engine),
+                             on_death=lambda: deaths.append(time.monotonic()))
+    llm = None
+    try:
+        llm = LLM(model=str(folder), tensor_parallel_size=size, device=device, **ENGINE)
+        yield llm, group, deaths
+    finally:
+        sync = None if deaths or llm is None else llm.engine.runner.step_sync
+        group.close(sync.send_stop if sync is not None else None)
+
+
+@pytest.fixture(scope="module")
+def tp2(tiny_folder: Path):
+    with tp_engine(tiny_folder, "cpu") as out:
+        yield out
+
+
+def test_tp2_matches_tp1(tp1, tp2) -> None:
+    tokens1, logits1, outs1 = tp1
+    llm, _, _ = tp2
+    assert isinstance(llm.engine.runner.model, TensorParallelLM)
+    k_cache = llm.engine.runner.kv_caches[0][0]
+    assert k_cache.shape[2] == 1, "each rank caches its own KV head only"
+    tokens2, logits2, outs2 = generate(llm)
+    assert tokens2 == tokens1
+    assert len(logits2) == len(logits1) > 16  # prefill, decode and prompt-logprob calls
+    for a, b in zip(logits1, logits2, strict=True):
+        assert a.shape == b.shape and a.shape[1] == VOCAB
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+    lp1, lp2 = outs1[2].prompt_logprobs, outs2[2].prompt_logprobs
+    assert lp1 is not None and lp2 is not None and len(lp2) == len(PROMPTS[2]) - 1
+
+
+def test_dead_follower_takes_the_group_down(tp2) -> None:
+    """The follower is SIGKILLed: rank 0's watcher reports it within seconds (in the
+    worker it exits with ``EXIT_RANK_DIED``), and a step fails rather than hangs."""
+    llm, group, deaths = tp2
+    killed = time.monotonic()
+    os.kill(group.followers[0].pid, signal.SIGKILL)
+    while not deaths and time.monotonic() - killed < 10:
+        time.sleep(0.05)
+    assert deaths and deaths[0] - killed < 10
+    result: list[BaseException | None] = []
+
+    def step() -> None:
+        try:
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))
+            result.append(None)
+        except RuntimeError as exc:  # gloo: the peer's connection is closed
+            result.append(exc)
+
+    thread = threading.Thread(target=step, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert result and isinstance(result[0], RuntimeError), "a step with a dead rank must fail, not hang"
+
+
+def _sum_shards(full: LlamaForCausalLM, shards: list[TensorParallelLM], x: torch.Tensor, ids: torch.Tensor) -> None:
+    """Rebuild layer 0's attention projections, MLP, embedding and LM head from the
+    shards (their collectives done by hand) and compare them with the full model's."""
+    fa, fm = full.layers[0].self_attn, full.layers[0].mlp
+    cfg, n = full.config, len(shards)
+    group = cfg.num_heads // cfg.num_kv_heads
+    q_full, k_full, _ = fa.qkv_proj(x).split([fa.q_size, fa.kv_size, fa.kv_size], -1)
+    mlp_out = torch.zeros_like(x)
+    embed = torch.zeros(ids.shape[0], cfg.hidden_size)
+    logits = []
+    for s in shards:
+        sa, sm, spec = s.layers[0].self_attn, s.layers[0].mlp, s.spec
+        q, k, _ = sa.qkv_proj(x).split([sa.q_size, sa.kv_size, sa.kv_size], -1)
+        torch.testing.assert_close(q, q_full[:, slice(*spec.rows("q"))])
+        torch.testing.assert_close(k, k_full[:, slice(*spec.rows("kv"))])
+        first_head = spec.rows("q")[0] // cfg.head_dim
+        assert first_head // group == spec.kv_head_start  # its query heads use its KV head
+        gate, up = sm.gate_up_proj(x).chunk(2, -1)
+        mlp_out += F.linear(F.silu(gate) * up, sm.down_proj.weight, sm.down_proj.bias)
+        emb = s.embed_tokens
+        inside = (ids >= emb.vocab_start) & (ids < emb.vocab_end)
+        embed += F.embedding((ids - emb.vocab_start).clamp(0, emb.weight.shape[0] - 1), emb.weight) * inside[:, None]
+        logits.append(F.linear(x, s.lm_head.weight))
+    torch.testing.assert_close(mlp_out, fm(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(embed, full.embed_tokens(ids))
+    torch.testing.assert_close(torch.cat(logits, -1)[:, :cfg.vocab_size], full.lm_head(x))
+    assert sum(sh.spec.vocab_end - sh.spec.vocab_start for sh in shards) == cfg.vocab_size
+    assert sum(sh.shard_config.num_heads for sh in shards) == cfg.num_heads
+    assert n * shards[0].shard_config.intermediate_size == cfg.intermediate_size
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "world_size"), [(4, 2, 2), (8, 2, 4)])
+def test_shards_sum_to_the_full_model(tmp_path: Path, num_heads: int, num_kv_heads: int, world_size: int) -> None:
+    """Split KV heads (4/2 over 2) and replicated ones (8/2 over 4), loaded through the
+    sliced reads of ``load_hf_weights``; row-parallel biases only on rank 0."""
+    folder = write_checkpoint(tmp_path, tiny_config(num_heads, num_kv_heads), seed=1)
+    cfg = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    full = LlamaForCausalLM(cfg, 64)
+    load_hf_weights(full, folder)
+    shards = []
+    for rank in range(world_size):
+        shard = TensorParallelLM(shard_spec(cfg, rank, world_size), 64, None)
+        load_hf_weights(shard, folder)
+        assert all(bool((b == 0).all()) == (rank > 0) for b in shard.row_parallel_biases())
+        shards.append(shard)
+    x = torch.randn(5, HIDDEN)
+    _sum_shards(full, shards, x, torch.tensor([0, 62, 63, 125, 200, VOCAB - 1]))
+
+
+def test_tensor_slice_names() -> None:
+    spec = shard_spec(ModelConfig.from_hf(tiny_config()), 1, 2)
+    assert tensor_slice(spec, "layers.0.self_attn.q_proj.weight") == (0, 32, 64)
+    assert tensor_slice(spec, "layers.0.self_attn.k_proj.bias") == (0, 16, 32)
+    assert tensor_slice(spec, "layers.1.self_attn.o_proj.weight") == (1, 32, 64)
+    assert tensor_slice(spec, "layers.1.mlp.down_proj.weight") == (1, 48, 96)
+    assert tensor_slice(spec, "layers.1.mlp.down_proj.bias") == ZERO
+    assert tensor_slice(spec, "lm_head.weight") == (0, 126, VOCAB)  # ceil(251 / 2) rows a rank
+    assert tensor_slice(spec, "layers.0.input_layernorm.weight") is None
+
+
+def test_refuses_what_does_not_split() -> None:
+    smollm = ModelConfig.from_hf(DUMMY_CONFIGS["SmolLM2-135M"])
+    with pytest.raises(ValueError, match="does not divide num_attention_heads 9"):
+        shard_spec(smollm, 0, 2)
+    assert shard_spec(smollm, 2, 3).config.num_kv_heads == 1  # 9 heads, 3 KV heads over 3 ranks
+    with pytest.raises(ValueError, match="num_key_value_heads 4 neither divides"):
+        shard_spec(ModelConfig.from_hf(tiny_config(12, 4)), 0, 6)
+    with pytest.raises(ValueError, match="intermediate_size 100"):
+        shard_spec(ModelConfig.from_hf({**tiny_config(8, 8), "intermediate_size": 100}), 0, 8)
+    with pytest.raises(ValueError, match="not mixtures of experts"):
+        shard_spec(ModelConfig.from_hf(DUMMY_CONFIGS["Qwen3-30B-A3B"]), 0, 2)
+
+
+def test_compose_tp_worker_reserves_its_gpus() -> None:
+    """compose.yaml's ``tp`` profile: one worker whose GPU reservation is the group size,
+    found by Prometheus under the workers' DNS name."""
+    import subprocess
+
+    from tests.test_compose import ROOT, compose_binary
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "DOCKER_", "INFERQ_"))}
+    out = subprocess.run([str(compose_binary()), "-f", "compose.yaml", "--profile", "tp", "config", "--format", "json"],
+                         cwd=ROOT, env={**env, "INFERQ_TENSOR_PARALLEL_SIZE": "4"}, capture_output=True, text=True,
+                         timeout=120, check=True)
+    service = json.loads(out.stdout)["services"]["worker-tp"]
+    (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+    assert device["count"] == 4 and service["environment"]["INFERQ_TENSOR_PARALLEL_SIZE"] == "4"
+    assert "worker" in service["networks"]["default"]["aliases"]
+
+
+def test_llama3_70b_dummy_config_splits() -> None:
+    """The 70B shape for an end-to-end ``--tensor-parallel-size 2 --load-format dummy`` run."""
+    cfg = ModelConfig.from_hf(DUMMY_CONFIGS["Llama-3-70B"])
+    assert cfg.num_params == pytest.approx(70.55e9, rel=0.01)
+    for n in (2, 4, 8):
+        assert shard_spec(cfg, n - 1, n).config.num_kv_heads == 8 // n
+
+
+@pytest.mark.slow
+def test_worker_exits_when_a_follower_dies(tiny_folder: Path, redis_server, tmp_path: Path) -> None:
+    """``inferq worker --tensor-parallel-size 2``: SIGKILL its follower and the worker
+    exits with ``EXIT_RANK_DIED`` within seconds (its heartbeat stops; the gateway's
+    failover takes its streams, as for any dead worker)."""
+    from bench import procs
+    from tests import processes
+    from worker.parallel.group import EXIT_RANK_DIED
+
+    log = tmp_path / "worker.log"
+    worker = processes.start("worker", redis_server.url, "--model", str(tiny_folder), "--tensor-parallel-size", "2",
+                             "--device", "cpu", "--dtype", "float32", "--cpu-threads", "1", "--num-kv-blocks", "64",
+                             "--max-model-len", "256", log_path=log)
+    try:
+        processes.wait_for_workers(redis_server.url, 1, [worker], timeout_s=300)
+        followers = [pid for pid, parent in procs.descendants(worker.pid)
+                     if parent == worker.pid and "spawn_main" in " ".join(procs.cmdline(pid))]
+        assert len(followers) == 1, followers
+        os.kill(followers[0], signal.SIGKILL)
+        assert worker.wait(30) == EXIT_RANK_DIED, log.read_text()[-3000:]
+        assert "a rank of this worker's group died" in log.read_text()
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tp2_over_nccl_matches_tp1(tiny_folder: Path) -> None:
+    """Two GPUs, NCCL: the decode steps replay CUDA graphs that hold the all-reduces and
+    the logits all-gather on both ranks; greedy tokens equal TP=1's on one GPU."""
+    from worker.llm import LLM
+
+    tokens1, logits1, _ = generate(LLM(model=str(tiny_folder), device="cuda", **ENGINE))
+    with tp_engine(tiny_folder, "cuda") as (llm, _, deaths):
+        runner = llm.engine.runner
+        assert runner.graphs is not None, "decode graphs are captured under TP"
+        tokens2, logits2, _ = generate(llm)
+        assert runner.graphs.num_replays > 0
+        assert not deaths
+    assert tokens2 == tokens1
+    # Decode logits stay inside the graphs; the first prefill's come out of the LM head.
+    torch.testing.assert_close(logits2[0], logits1[0], rtol=0, atol=1e-3)

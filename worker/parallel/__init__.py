@@ -1,0 +1,2 @@
+"""Tensor parallelism: one worker over several GPUs (``--tensor-parallel-size``); see
+docs/architecture.md, "Tensor parallelism"."""

@@ -1,0 +1,96 @@
+"""Ranks > 0 of a tensor-parallel group: build this rank's shard and its model runner,
+then run whatever model call rank 0 announces (``step_sync.py``) until STOP.
+
+``start_for_engine`` is rank 0's side: it checks the model splits, then starts the group
+(``group.start``) with this module's ``follower_main`` as the other ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import threading
+from typing import Any
+
+import torch
+
+from shared.model_source import ModelSource, max_model_len
+from shared.settings import EngineSettings, ModelSettings
+from worker.parallel import group as tp_group
+from worker.parallel.layers import shard_spec
+from worker.parallel.step_sync import OP_DECODE, OP_FORWARD, OP_LOGITS, OP_STOP, StepSync
+
+log = logging.getLogger(__name__)
+
+
+def start_for_engine(source: ModelSource, model: ModelSettings, engine: EngineSettings,
+                     **kwargs: Any) -> tp_group.TPGroup:
+    """Rank 0: start a group of ``engine.tensor_parallel_size`` ranks for ``source``
+    before the engine is built (``kwargs`` go to ``group.start``).
+
+    Raises:
+        ValueError: the model does not split (``layers.shard_spec``; checked here, before
+            any process starts), a quantization or a draft-model proposer, or more ranks
+            than GPUs.
+    """
+    from worker.engine.engine import resolve_device
+    from worker.models.config import ModelConfig
+
+    shard_spec(ModelConfig.from_hf(source.config), 0, engine.tensor_parallel_size)
+    if model.quantization != "none":
+        raise ValueError(f"--quantization {model.quantization} is not supported with --tensor-parallel-size")
+    if engine.speculative_method == "draft":  # the draft model would be built unsharded on rank 0 only
+        raise ValueError("--speculative-method draft is not supported with --tensor-parallel-size (ngram is)")
+    device = resolve_device(model.device)
+    return tp_group.start(engine.tensor_parallel_size, device, (source, model, engine), **kwargs)
+
+
+def follower_main(rank: int, world_size: int, port: int, device: torch.device, source: ModelSource,
+                  model_settings: ModelSettings, engine_settings: EngineSettings) -> None:
+    """Process entry of rank ``rank``: join, build the shard and the runner as rank 0
+    does (``LLMEngine.__init__``), then ``serve`` until STOP. Exits with rank 0."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(name)s: %(message)s")
+    parent = multiprocessing.parent_process()
+    if parent is not None:  # rank 0 gone (even SIGKILLed): so are we
+        tp_group.watch(threading.Event(), [parent.sentinel], tp_group.exit_now)
+    from worker.engine.engine import cpu_threads, num_kv_blocks, resolve_dtype
+    from worker.engine.model_runner import ModelRunner
+    from worker.models.config import ModelConfig
+    from worker.models.loader import build_model
+
+    if device.type == "cpu":
+        torch.set_num_threads(cpu_threads(engine_settings))
+    group = tp_group.join(rank, world_size, port, device)
+    dtype = resolve_dtype(model_settings.dtype, group.device)
+    cfg = ModelConfig.from_hf(source.config)
+    max_len = max_model_len(source.config, model_settings.max_model_len)
+    model = build_model(cfg, source.path, source.dummy, dtype, group.device, max_len, model_settings.seed)
+    # The count is rank 0's (broadcast in ModelRunner); ours only has to be computed alike.
+    num_blocks = num_kv_blocks(cfg, engine_settings, dtype, group.device)
+    runner = ModelRunner(model, engine_settings, num_blocks, max_len, dtype, group.device, model_settings.seed)
+    sync = StepSync(group.group, group.device, cfg.hidden_size, dtype)
+    log.info("rank %d of %d ready (%s)", rank, world_size, group.device)
+    serve(runner, sync)
+    group.close()
+
+
+@torch.inference_mode()
+def serve(runner: Any, sync: StepSync) -> None:
+    """Run rank 0's model calls on this rank's shard until STOP: ``runner`` is this
+    rank's ``ModelRunner`` (its model, KV cache, backend and decode graphs)."""
+    while True:
+        header = sync.recv_header()
+        op = header[0]
+        if op == OP_STOP:
+            return
+        if op == OP_FORWARD:
+            ids, positions, meta = sync.recv_forward(header)
+            runner.model(ids, positions, runner.kv_caches, meta, runner.backend)
+        elif op == OP_LOGITS:
+            runner.model.compute_logits(sync.recv_hidden(header))
+        elif op == OP_DECODE:
+            graphs = runner.graphs
+            sync.recv_into(graphs.inputs.dev64, graphs.inputs.dev32)
+            graphs.run(header[1], header[2], upload=False)
+        else:
+            raise RuntimeError(f"tensor parallel: unknown op {op} from rank 0")
