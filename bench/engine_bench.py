@@ -39,6 +39,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from shared.model_source import DUMMY_CONFIGS
 from shared.sampling import SamplingParams
+from worker.engine.engine import LLMEngine
 from worker.llm import LLM
 
 DECODE_BATCHES = (1, 8, 32, 64, 128)
@@ -77,6 +78,32 @@ def matmul_flops() -> float:
 
 def rand_prompt(n: int, vocab: int, rng: random.Random) -> list[int]:
     return [rng.randrange(100, vocab - 100) for _ in range(n)]
+
+
+def decode_step_ms(engine: LLMEngine, batch: int, steps: int, rng: random.Random, vocab: int,
+                   max_tokens: int = 1000) -> float:
+    """Mean wall time (ms) of an engine step with ``batch`` sequences decoding at ~CONTEXT
+    tokens: random prompts prefilled first, three warm-up steps, then ``steps`` timed; the
+    requests are aborted after."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    ids = [f"dec-{batch}-{i}-{rng.random()}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, rand_prompt(CONTEXT, vocab, rng), params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in (*engine.scheduler.waiting,
+                                                                     *engine.scheduler.running)):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    dt = (time.perf_counter() - t0) / steps
+    for rid in ids:
+        engine.abort(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return dt * 1e3
 
 
 class Bench:
@@ -125,24 +152,7 @@ class Bench:
     def decode_step_ms(self, batch: int, steps: int = 30) -> float:
         """Mean wall time of an engine step with ``batch`` sequences decoding at ~CONTEXT."""
         assert self.llm is not None
-        engine = self.llm.engine
-        params = SamplingParams(max_tokens=1000, ignore_eos=True, temperature=0.0)
-        ids = [f"dec-{batch}-{i}-{self.rng.random()}" for i in range(batch)]
-        for rid in ids:
-            engine.add_request(rid, rand_prompt(CONTEXT, self.vocab, self.rng), params)
-        while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.waiting) or \
-                any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
-            engine.step()
-        for _ in range(3):
-            engine.step()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        dt = (time.perf_counter() - t0) / steps
-        for rid in ids:
-            engine.abort(rid)
-        return dt * 1e3
+        return decode_step_ms(self.llm.engine, batch, steps, self.rng, self.vocab)
 
     def floor_ms(self, batch: int) -> float:
         ctx = CONTEXT + 18

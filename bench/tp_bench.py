@@ -35,9 +35,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.engine_bench import CONTEXT, copy_bandwidth_bps, rand_prompt
+from bench.engine_bench import CONTEXT, copy_bandwidth_bps, decode_step_ms
 from shared.model_source import DUMMY_CONFIGS, resolve_model
-from shared.sampling import SamplingParams
 from shared.settings import EngineSettings, ModelSettings
 from worker.llm import LLM
 
@@ -53,31 +52,6 @@ def weight_bytes(model: torch.nn.Module) -> int:
         emb = model.embed_tokens.weight  # type: ignore[union-attr]
         total -= emb.numel() * emb.element_size()
     return total
-
-
-def decode_step_ms(llm: LLM, batch: int, steps: int, rng: random.Random) -> float:
-    """Mean wall time of an engine step with ``batch`` sequences decoding at ~CONTEXT."""
-    engine = llm.engine
-    vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_tokens=engine.max_model_len - CONTEXT, ignore_eos=True, temperature=0.0)
-    ids = [f"tp-{batch}-{i}-{rng.random()}" for i in range(batch)]
-    for rid in ids:
-        engine.add_request(rid, rand_prompt(CONTEXT, vocab, rng), params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in (*engine.scheduler.waiting,
-                                                                     *engine.scheduler.running)):
-        engine.step()
-    for _ in range(3):
-        engine.step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    dt = (time.perf_counter() - t0) / steps
-    for rid in ids:
-        engine.abort(rid)
-    while engine.has_unfinished_requests():
-        engine.step()
-    return dt * 1e3
 
 
 def run_one(model: str, tp: int, args: argparse.Namespace, copy_bps: float) -> dict[str, Any]:
@@ -104,7 +78,8 @@ def run_one(model: str, tp: int, args: argparse.Namespace, copy_bps: float) -> d
                                "weight_bytes_per_rank": wb, "num_kv_blocks": runner.num_blocks}
         rng = random.Random(0)
         for batch in BATCHES:
-            step = decode_step_ms(llm, batch, args.steps, rng)
+            step = decode_step_ms(llm.engine, batch, args.steps, rng, llm.engine.model_config.vocab_size,
+                                  max_tokens=llm.engine.max_model_len - CONTEXT)
             floor = (wb + batch * (CONTEXT + 18) * kv_per_token) / copy_bps * 1e3
             row[f"decode_b{batch}_ms"] = round(step, 3)
             row[f"floor_b{batch}_ms"] = round(floor, 3)
