@@ -13,6 +13,7 @@ import torch
 
 from shared.sampling import SamplingParams
 from shared.settings import EngineSettings, SettingsError
+from tests.engine_swap import swapped_engine
 from worker.engine.block_manager import BlockManager
 from worker.engine.request import Request
 from worker.engine.sampler import Sampler
@@ -168,15 +169,8 @@ def _small_engine(engine, speculate: bool) -> Iterator[NgramProposer | None]:
     es = EngineSettings(speculative_method="ngram")
     proposer = NgramProposer(es.num_speculative_tokens, es.speculative_ngram_max, es.speculative_ngram_min,
                              es.speculative_token_cost) if speculate else None
-    saved = engine.scheduler
-    engine.scheduler = Scheduler(BlockManager(8, saved.block_manager.block_size), saved.max_num_seqs, 32)
-    engine.proposer = proposer
-    try:
+    with swapped_engine(engine, proposer, num_blocks=8):
         yield proposer
-    finally:
-        engine.proposer = None
-        engine.scheduler = saved
-        saved.block_manager.reset_prefix_cache()
 
 
 @pytest.fixture(scope="module")

@@ -18,11 +18,10 @@ import torch
 from shared.model_source import DUMMY_CONFIGS, ModelSource
 from shared.sampling import SamplingParams
 from shared.settings import EngineSettings, ModelSettings, SettingsError
-from worker.engine.block_manager import BlockManager
+from tests.engine_swap import swapped_engine
 from worker.engine.draft_proposer import DraftProposer, check_shared_vocab, draft_num_blocks, load_draft_model
 from worker.engine.engine import num_kv_blocks
 from worker.engine.request import Request
-from worker.engine.scheduler import Scheduler
 from worker.models.config import ModelConfig
 from worker.models.loader import build_model
 
@@ -45,17 +44,8 @@ def _with_draft(engine, draft, small: bool) -> Iterator[DraftProposer | None]:
     cache forgotten."""
     proposer = None if draft is None else DraftProposer(
         draft, ES, draft_num_blocks(NUM_TARGET_BLOCKS, ES), engine.max_model_len, torch.float32, engine.device)
-    saved = engine.scheduler
-    if small:
-        engine.scheduler = Scheduler(BlockManager(NUM_TARGET_BLOCKS, saved.block_manager.block_size),
-                                     saved.max_num_seqs, 32)
-    engine.proposer = proposer
-    try:
+    with swapped_engine(engine, proposer, num_blocks=NUM_TARGET_BLOCKS if small else None):
         yield proposer
-    finally:
-        engine.proposer = None
-        engine.scheduler = saved
-        saved.block_manager.reset_prefix_cache()
 
 
 @pytest.fixture(scope="module")
