@@ -160,12 +160,10 @@ class Worker:
                         if time.monotonic() >= self._next_reap_s:
                             self._next_reap_s = time.monotonic() + REAP_INTERVAL_S
                             await self.reap()
-                        if busy:
-                            counts = self._admittable_counts()
-                            if max(counts) > 0:
-                                await self._admit_all(await self._timed_pull(counts))
-                        else:
-                            await self._pull(self._admittable_counts(), block_ms=IDLE_BLOCK_MS)
+                        pull_start_s = time.monotonic()
+                        await self._pull(block_ms=None if busy else IDLE_BLOCK_MS)
+                        if self.trace is not None and busy:
+                            self.trace.pull_s += time.monotonic() - pull_start_s
                     if not self.backend.has_unfinished_requests():
                         await self._settle(publishing)
                         publishing = None
@@ -179,17 +177,16 @@ class Worker:
                     await self._settle(publishing)
                     publishing = None
                     try:
-                        outputs: list[RequestOutput] | None = await step
+                        outputs = await step
                     except Exception as exc:  # noqa: BLE001 - reported to every client, then go on
                         self.steps.finished(completed=False)
                         await self._fail_all(exc)
-                        outputs = None
-                    else:
-                        self.steps.finished()
-                        if self.trace is not None:
-                            stats = self.backend.stats()
-                            self.trace.record(handed_s, len(outputs), stats.num_running, stats.num_waiting)
-                        publishing = asyncio.create_task(self._publish(outputs))
+                        continue
+                    self.steps.finished()
+                    if self.trace is not None:
+                        stats = self.backend.stats()
+                        self.trace.record(handed_s, len(outputs), stats.num_running, stats.num_waiting)
+                    publishing = asyncio.create_task(self._publish(outputs))
                 except RedisError as exc:
                     log.warning("redis error in worker loop: %s; retrying", exc)
                     await asyncio.sleep(RECONNECT_DELAY_S)
@@ -213,31 +210,17 @@ class Worker:
     async def _ensure_group(self) -> None:
         await self.queue.ensure_base()
 
-    def _admittable_counts(self) -> list[int]:
-        """Per class rank: what the engine can admit of it (a full engine still takes a
-        higher class than it runs, preempting for it); the pull script fills the highest
-        first. Read on the event loop while no step runs."""
-        return [self.backend.num_admittable(rank) for rank in range(len(PRIORITY_CLASSES))]
-
-    async def _pull(self, counts: list[int], block_ms: int) -> None:
-        """Pull and admit with an idle engine, waiting up to ``block_ms`` for the doorbell."""
+    async def _pull(self, block_ms: int | None) -> None:
+        # Per class: what the engine can admit of it (a full engine still takes a higher
+        # class than it runs, preempting for it); the pull script fills the highest first.
+        counts = [self.backend.num_admittable(rank) for rank in range(len(PRIORITY_CLASSES))]
         if max(counts) <= 0:
-            await asyncio.sleep(block_ms / 1000)
+            if block_ms is not None:
+                await asyncio.sleep(block_ms / 1000)
             return
         entries = await self.queue.pull(self.worker_id, counts)
-        if not entries and await self.queue.wait(block_ms / 1000):
+        if not entries and block_ms is not None and await self.queue.wait(block_ms / 1000):
             entries = await self.queue.pull(self.worker_id, counts)
-        await self._admit_all(entries)
-
-    async def _timed_pull(self, counts: list[int]) -> list[tuple[str, bytes, dict[bytes, bytes]]]:
-        """Pull without blocking (between steps of a busy engine); admitting is the caller's."""
-        start_s = time.monotonic()
-        entries = await self.queue.pull(self.worker_id, counts)
-        if self.trace is not None:
-            self.trace.pull_s += time.monotonic() - start_s
-        return entries
-
-    async def _admit_all(self, entries: list[tuple[str, bytes, dict[bytes, bytes]]]) -> None:
         for stream, entry_id, fields in entries:
             await self._admit(stream, entry_id, fields)
 
