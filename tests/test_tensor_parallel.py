@@ -37,6 +37,9 @@ from worker.parallel.layers import ZERO, TensorParallelLM, shard_spec, tensor_sl
 
 HIDDEN, INTER, LAYERS, VOCAB, HEAD_DIM = 64, 96, 2, 251, 16
 ENGINE = {"dtype": "float32", "num_kv_blocks": 64, "max_num_seqs": 4, "cpu_threads": 1, "max_model_len": 256}
+#: TP=2 sizes its cache from a byte budget instead: 2 layers x K and V x 16 tokens x 1 KV
+#: head of 16 float32 per rank = 4,096 bytes a block, so 128 blocks (64 for the full model).
+TP_KV_CACHE_BYTES, TP_NUM_BLOCKS = 128 * 4096, 128
 PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 140)), [7, 7, 7]]
 #: The last request also scores its prompt and returns logprobs: more LM-head calls.
 PARAMS = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)] * 2 + [
@@ -109,14 +112,15 @@ def tp_engine(folder: Path, device: str, size: int = 2) -> Iterator[tuple]:
     from worker.parallel.follower import start_for_engine
 
     deaths: list[float] = []
-    engine = {k: v for k, v in ENGINE.items() if k not in ("dtype", "max_model_len")}
+    settings = {**{k: v for k, v in ENGINE.items() if k != "num_kv_blocks"}, "kv_cache_bytes": TP_KV_CACHE_BYTES}
+    engine = {k: v for k, v in settings.items() if k not in ("dtype", "max_model_len")}
     group = start_for_engine(resolve_model(str(folder)),
                              ModelSettings(model=str(folder), dtype="float32", max_model_len=256, device=device),
                              EngineSettings(tensor_parallel_size=size, **engine),
                              on_death=lambda: deaths.append(time.monotonic()))
     llm = None
     try:
-        llm = LLM(model=str(folder), tensor_parallel_size=size, device=device, **ENGINE)
+        llm = LLM(model=str(folder), tensor_parallel_size=size, device=device, **settings)
         yield llm, group, deaths
     finally:
         sync = None if deaths or llm is None else llm.engine.runner.step_sync
@@ -135,6 +139,8 @@ def test_tp2_matches_tp1(tp1, tp2) -> None:
     assert isinstance(llm.engine.runner.model, TensorParallelLM)
     k_cache = llm.engine.runner.kv_caches[0][0]
     assert k_cache.shape[2] == 1, "each rank caches its own KV head only"
+    # ... so the same bytes hold twice the blocks of the full model's cache.
+    assert llm.engine.runner.num_blocks == llm.engine.scheduler.block_manager.num_blocks == TP_NUM_BLOCKS
     tokens2, logits2, outs2 = generate(llm)
     assert tokens2 == tokens1
     assert len(logits2) == len(logits1) > 16  # prefill, decode and prompt-logprob calls

@@ -102,10 +102,12 @@ class LLMEngine:
         es = self.engine_settings
         draft = load_draft_model(es, model_settings, source, self.dtype, self.device, self.max_model_len) \
             if es.speculative_method == "draft" else None
-        num_blocks = num_kv_blocks(self.model_config, es, self.dtype, self.device,
+        # A tensor-parallel rank holds its shard's KV heads only (worker/parallel/layers.py).
+        num_blocks = num_kv_blocks(model.shard_config, es, self.dtype, self.device,
                                    draft.config if draft is not None else None)
         self.runner = ModelRunner(model, self.engine_settings, num_blocks, self.max_model_len, self.dtype,
                                   self.device, model_settings.seed)
+        num_blocks = self.runner.num_blocks  # the group's, under tensor parallelism
         self.scheduler = Scheduler(BlockManager(num_blocks, self.engine_settings.block_size,
                                                 self.engine_settings.enable_prefix_caching,
                                                 self.model_config.uniform_sliding_window),

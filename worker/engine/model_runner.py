@@ -116,13 +116,14 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = settings.block_size
         # Tensor parallelism (worker/parallel/): every rank runs this constructor in
-        # lockstep (graph captures hold collectives); rank 0's block count is the group's.
+        # lockstep (graph captures hold collectives); the smallest rank's block count is the
+        # group's (each sized it from its own shard's KV bytes and its own free memory).
         self.tp = tp_group.current()
         if settings.tensor_parallel_size != (self.tp.world_size if self.tp else 1):
             raise RuntimeError(f"--tensor-parallel-size {settings.tensor_parallel_size} but this process is in "
                                f"no group of that size (start one first: worker/parallel/group.py)")
         if self.tp is not None:
-            num_blocks = self.tp.broadcast_int(num_blocks)
+            num_blocks = self.tp.min_int(num_blocks)
         self.step_sync: StepSync | None = None  # rank 0 of a group: announces each model call
         self.num_blocks = num_blocks
         self.kv_caches = allocate_kv_cache(model.shard_config, num_blocks, self.block_size,

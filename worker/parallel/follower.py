@@ -65,8 +65,8 @@ def follower_main(rank: int, world_size: int, port: int, device: torch.device, s
     cfg = ModelConfig.from_hf(source.config)
     max_len = max_model_len(source.config, model_settings.max_model_len)
     model = build_model(cfg, source.path, source.dummy, dtype, group.device, max_len, model_settings.seed)
-    # The count is rank 0's (broadcast in ModelRunner); ours only has to be computed alike.
-    num_blocks = num_kv_blocks(cfg, engine_settings, dtype, group.device)
+    # Sized from this rank's shard; ModelRunner takes the group's smallest count.
+    num_blocks = num_kv_blocks(model.shard_config, engine_settings, dtype, group.device)
     runner = ModelRunner(model, engine_settings, num_blocks, max_len, dtype, group.device, model_settings.seed)
     sync = StepSync(group.group, group.device, cfg.hidden_size, dtype)
     log.info("rank %d of %d ready (%s)", rank, world_size, group.device)

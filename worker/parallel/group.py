@@ -61,6 +61,13 @@ class TPGroup:
         dist.broadcast(t, src=0, group=self.group)
         return int(t.item())
 
+    def min_int(self, value: int) -> int:
+        """The smallest of every rank's ``value`` (a start-up fact that must fit on each
+        rank, such as the KV block count: one rank's GPU may have less memory free)."""
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
     def close(self, stop: Callable[[], None] | None = None) -> None:
         """Mark the group closing (the watchers stay quiet), then on rank 0: call
         ``stop`` (``StepSync.send_stop``) and wait up to ``STOP_TIMEOUT_S`` for the
