@@ -1,7 +1,7 @@
 """Time FP8 linear products on Qwen2.5-7B's projection shapes against bf16, on one GPU.
 
 Per layer the four projections (qkv [4608, 3584], o [3584, 3584], gate_up [37888, 3584],
-down [3584, 18944]) at M = 1, 16, 64, 2048 tokens, over 4 layers' worth of distinct
+down [3584, 18944]) at M = 1, 16, 32, 64, 2048 tokens, over 4 layers' worth of distinct
 weights (more than the L2 cache), each timing a replayed CUDA graph of the 16 products:
   bf16             ``F.linear``
   gemv_block       ``kernels/fp8_gemv.py`` (W8A16), 128x128 block scales (rows <= 64)
@@ -13,8 +13,12 @@ weights (more than the L2 cache), each timing a replayed CUDA graph of the 16 pr
                    up to ``GEMV_MAX_ROWS`` rows, ``mm_block`` above
 Reports ms per layer, the weight bytes read per second and that rate as a fraction of
 the measured copy bandwidth (``bench.engine_bench.copy_bandwidth_bps``, read + write),
-and, for the GEMV, the same per projection. ``--sweep`` also times GEMV launch plans
-(``kernels.fp8_gemv.plan`` parameters) per projection and row count, best first.
+and, for the GEMV, the same per projection. ``--sweep`` also times the GEMV's launch
+configurations (``kernels.fp8_gemv.LaunchConfig``: ``SWEEP``) per projection and row count
+(rows <= 64 of ``--rows``), best first, each with ``vs_mm`` (the faster ``_scaled_mm``
+layout's time over the plan's: above 1 the plan wins), and per row count the best single
+configuration over the four projections (``best_config``): what ``kernels.fp8_gemv.PLANS``
+holds for that row bucket.
 
 Run: python bench/fp8_gemm_bench.py --out bench/results/fp8_gemm_h100.json [--sweep]
 The decode step: python bench/engine_bench.py --sections decode,prefill --quantization fp8
@@ -37,14 +41,16 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.engine_bench import copy_bandwidth_bps
-from kernels.fp8_gemv import MAX_ROWS, fp8_gemv, plan
+from kernels.fp8_gemv import MAX_ROWS, PLANS, LaunchConfig, block_rows, fp8_gemv, plan
 from kernels.fp8_quant import quantize_groups, quantize_rows
 from worker.models.fp8 import fp8_linear, quantize_weight
 
 SHAPES = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
 NUM_LAYERS = 4
-#: ``plan`` parameters ``--sweep`` tries (block_n, num_warps, num_stages, programs_per_sm).
-SWEEP = {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (3, 4, 6), "programs_per_sm": (1, 2, 4)}
+#: ``LaunchConfig`` fields ``--sweep`` tries (every combination but 8 warps on 64 channels;
+#: ``programs_per_sm`` only changes the split, so it costs no compile).
+SWEEP = {"block_n": (64, 128, 256), "num_warps": (4, 8), "num_stages": (3, 4), "programs_per_sm": (1, 2, 4),
+         "swap_ab": (False, True)}
 
 
 def graph_ms(fn: Callable[[], Any], replays: int = 20) -> float:
@@ -75,31 +81,69 @@ def timed(fn: Callable[[], Any], weight_bytes: int, copy_bps: float, calls: int 
     return {"ms": round(ms, 4), "weight_tb_s": round(bps / 1e12, 3), "of_copy": round(bps / copy_bps, 3)}
 
 
-def sweep(layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]], rows: list[int],
+def sweep_configs() -> list[LaunchConfig]:
+    """The ``LaunchConfig``s of ``SWEEP``."""
+    configs = [LaunchConfig(**dict(zip(SWEEP, values, strict=True))) for values in itertools.product(*SWEEP.values())]
+    return [c for c in configs if not (c.num_warps == 8 and c.block_n < 128)]
+
+
+def mm_ms(layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]],
+          channels: list[dict[str, tuple[torch.Tensor, torch.Tensor]]], name: str, x: torch.Tensor,
+          copy_bps: float) -> float:
+    """ms of the faster ``_scaled_mm`` layout (quantization included) for one projection,
+    the comparison of ``sweep``'s ``vs_mm`` (inf where neither runs)."""
+    n, k = SHAPES[name]
+    pad = -x.shape[0] % 16
+    xp = F.pad(x, (0, 0, 0, pad)) if pad else x
+    block = timed(lambda: [torch._scaled_mm(q, layer[name][0].T, scale_a=s.t().contiguous().t(),
+                                            scale_b=layer[name][1].t(), out_dtype=torch.bfloat16)
+                           for layer in layers for q, s in [quantize_groups(xp)]], n * k, copy_bps)
+    channel = timed(lambda: [torch._scaled_mm(q, layer[name][0].T, scale_a=s, scale_b=layer[name][1].view(1, -1),
+                                              out_dtype=torch.bfloat16)
+                             for layer in channels for q, s in [quantize_rows(x)]], n * k, copy_bps)
+    return min(block.get("ms", float("inf")), channel.get("ms", float("inf")))
+
+
+def sweep(layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]],
+          channels: list[dict[str, tuple[torch.Tensor, torch.Tensor]]], rows: list[int],
           copy_bps: float) -> dict[str, Any]:
-    """Per projection and row count, the GEMV's time under each ``SWEEP`` plan, best first."""
+    """Per projection and row count, the GEMV's time under each ``SWEEP`` configuration,
+    best first; per row count the best single configuration over the four projections."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    configs = sweep_configs()
     out: dict[str, Any] = {}
     for m in rows:
+        totals = dict.fromkeys(configs, 0.0)
+        mm_total = 0.0
         for name, (n, k) in SHAPES.items():
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            mm = mm_ms(layers, channels, name, x, copy_bps)
+            mm_total += mm
             results = []
-            for values in itertools.product(*SWEEP.values()):
-                params = dict(zip(SWEEP, values, strict=True))
-                p = plan(m, n, k, sms, **params)
+            for c in configs:
+                p = plan(m, n, k, sms, c)
                 r = timed(lambda p=p, x=x, name=name: [fp8_gemv(x, *layer[name], gemv_plan=p) for layer in layers],
                           n * k, copy_bps)
-                results.append(params | {"split": p.split} | r)
+                totals[c] += r.get("ms", float("inf"))
+                results.append(c.__dict__ | {"split": p.split} | r | ({"vs_mm": round(mm / r["ms"], 3)} if "ms" in r else {}))
             results.sort(key=lambda r: r.get("ms", float("inf")))
             out[f"{m}/{name}"] = results
-            print(m, name, json.dumps(results[:3]), flush=True)
+            print(m, name, f"mm {mm:.4f} ms", json.dumps(results[:3]), flush=True)
+        best = min(configs, key=totals.__getitem__)
+        fp8_bytes = sum(n * k for n, k in SHAPES.values())
+        default = PLANS[block_rows(m)]
+        out[f"{m}/best_config"] = best.__dict__ | {
+            "ms_per_layer": round(totals[best], 4), "of_copy": round(fp8_bytes / (totals[best] / 1e3) / copy_bps, 3),
+            "mm_ms_per_layer": round(mm_total, 4), "default_ms_per_layer": round(totals[default], 4)
+            if default in totals else None}
+        print(m, "best single config:", json.dumps(out[f"{m}/best_config"]), flush=True)
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", default="1,16,64,2048")
-    ap.add_argument("--sweep", action="store_true", help="also time GEMV launch plans (a few minutes)")
+    ap.add_argument("--rows", default="1,16,32,64,2048")
+    ap.add_argument("--sweep", action="store_true", help="also time GEMV launch configurations (a few minutes on an H100)")
     ap.add_argument("--out", default="bench/results/fp8_gemm_h100.json")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -140,9 +184,17 @@ def main() -> None:
                 for n, (nn, k) in SHAPES.items()}
         res["rows"][str(m)] = row
         print(m, json.dumps(row), flush=True)
-    if args.sweep:
-        res["sweep"] = sweep(blocks, [m for m in rows if m <= MAX_ROWS], copy_bps)
-    with open(args.out, "w") as f:
+        save(res, args.out)
+    if args.sweep:  # saved after each row count: a run cut short keeps what it timed
+        res["sweep"] = {}
+        for m in (m for m in rows if m <= MAX_ROWS):
+            res["sweep"] |= sweep(blocks, channels, [m], copy_bps)
+            save(res, args.out)
+
+
+def save(res: dict[str, Any], path: str) -> None:
+    """Write ``res`` as JSON to ``path``."""
+    with open(path, "w") as f:
         json.dump(res, f, indent=1)
 
 

@@ -1,27 +1,38 @@
-"""Weight-streaming FP8 product for few rows (decode): ``x [M, K]`` (bfloat16/float16,
-unquantized) times an E4M3 weight ``[N, K]`` dequantized in registers (W8A16).
+"""Weight-streaming FP8 product for few rows (decode, 1-64 rows): ``x [M, K]``
+(bfloat16/float16, unquantized) times an E4M3 weight ``[N, K]`` dequantized in registers
+(W8A16).
 
 A decode step multiplies a handful of rows by every weight of the model, so its time is
-the time to read the weight bytes. cuBLASLt's FP8 GEMM reads them at about 1.7 TB/s at
-1-64 rows on an H100 (docs/benchmarks.md, "FP8 weights"), and needs the activations
-quantized first (one more launch per product). This kernel instead streams the weight:
+the time to read the weight bytes. cuBLASLt's FP8 GEMM reads them at about half the copy
+rate at 1-64 rows on an H100 (docs/benchmarks.md, "FP8 weights"), and needs the
+activations quantized first (one more launch per product). This kernel instead streams
+the weight:
 
 - grid ``(ceil(N / BLOCK_N), split)``: each program owns ``BLOCK_N`` output channels and
   a ``k_per_split`` slice of K, walks it in ``BLOCK_K`` steps (a ``BLOCK_N x BLOCK_K``
   FP8 tile, contiguous along K, pipelined ``num_stages`` deep), converts the tile to the
-  activations' dtype and multiplies it by the ``BLOCK_M x BLOCK_K`` activation tile with
-  ``tl.dot`` (rows padded to 16; the tensor cores idle, the loads do not);
+  activations' dtype and multiplies it with the ``BLOCK_M x BLOCK_K`` activation tile
+  (rows padded to ``BLOCK_M`` = 16, 32 or 64 by masks) on the tensor cores, accumulating
+  in float32;
+- the product's orientation (``swap_ab``): ``x @ w^T`` (the weight tile is the second
+  operand) or, swapped, ``(w @ x^T)^T``: the weight tile is the first operand, which
+  Hopper's wgmma can read from registers, where the conversion leaves it, and the padded
+  rows become wgmma's narrow N (8-256) instead of its M (64 a warp group): the "swap AB"
+  of vLLM's CUTLASS FP8 GEMM for small M, and its Machete mixed-input kernel, which feeds
+  the converted weight to wgmma from registers;
 - split-K: where ``N / BLOCK_N`` programs would leave SMs idle (o_proj and down_proj of a
-  7B model have only 56 tiles of 64 channels for 132 SMs), K is cut so that about
-  ``PROGRAMS_PER_SM`` programs run per SM; the float32 partial sums go to a workspace
-  ``[split, M, N]`` and a second small kernel adds them, the bias, and casts;
+  7B model have only 28-56 tiles for 132 SMs), K is cut so that about ``programs_per_sm``
+  programs run per SM; the float32 partial sums go to a workspace ``[split, M, N]`` and a
+  second small kernel adds them, the bias, and casts;
 - scales: per output channel (``scale [N]``, applied once at the end) or per
   ``FP8_BLOCK x FP8_BLOCK`` block (``scale [ceil(N / 128), ceil(K / 128)]``; ``BLOCK_K``
   divides 128 and ``k_per_split`` is a multiple of 128, so each step's partial product
   is multiplied by one scale per output channel).
 
-No host sync and no data-dependent launch: CUDA-graph capturable. Shapes are static per
-graph, so the launch plan (``plan``) is fixed per captured batch size.
+The launch parameters per row bucket are one table, ``PLANS`` (tuned with
+``bench/fp8_gemm_bench.py --sweep``). No host sync and no data-dependent launch:
+CUDA-graph capturable. Shapes are static per graph, so the launch plan (``plan``) is
+fixed per captured batch size.
 
 Source: the split-K GEMV scheme of FasterTransformer / TensorRT-LLM's weight-only
 kernels and vLLM's Triton ``w8a8_block_fp8_matmul`` (block-scale indexing).
@@ -36,15 +47,36 @@ import torch
 
 from kernels.fp8_quant import FP8_BLOCK, FP8_DTYPE
 
-#: Programs per SM the split-K plan aims for (enough loads in flight to cover latency).
-#: With ``num_stages`` 3, the best single plan of bench/fp8_gemm_bench.py ``--sweep`` on
-#: the H100 over Qwen2.5-7B's four projections at 1 and 16 rows (0.114 ms a layer at one
-#: row against 0.123 for 2 and 4 stages; bench/results/fp8_gemm_sweep_h100.json).
-PROGRAMS_PER_SM = 4
 #: Smallest K slice one program streams (fewer steps would not fill the pipeline).
 MIN_K_PER_SPLIT = 512
 #: Largest row count the kernel takes (``BLOCK_M`` up to this; decode batches).
 MAX_ROWS = 64
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """The tunable launch parameters of one row bucket (``PLANS``): output channels per
+    program, warps, pipeline depth, split-K target (programs per SM) and orientation."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    programs_per_sm: int = 4
+    swap_ab: bool = False
+
+
+#: The launch configuration per row bucket (``BLOCK_M``: rows padded to 16, 32 or 64), the
+#: one place to change after ``bench/fp8_gemm_bench.py --sweep``: each the best single plan
+#: of the H100 sweeps over Qwen2.5-7B's four projections (
+#: bench/results/fp8_gemm_sweep_h100.json, then fp8_gemm_sweep_s7_h100.json for 32 and 64
+#: rows). Per layer: 0.115 ms at 1 and 16 rows (cuBLASLt 0.133), 0.138 ms at 32 (0.140),
+#: 0.186 ms at 64 rows, where cuBLASLt's 0.159 ms wins (``fp8.GEMV_MAX_ROWS`` is 32). The
+#: swapped operands (the weight as the wgmma register operand) were never better.
+PLANS: dict[int, LaunchConfig] = {
+    16: LaunchConfig(block_n=64, num_warps=4, num_stages=3, programs_per_sm=4, swap_ab=False),
+    32: LaunchConfig(block_n=64, num_warps=4, num_stages=3, programs_per_sm=4, swap_ab=False),
+    64: LaunchConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=4, swap_ab=False),
+}
 
 
 @dataclass(frozen=True)
@@ -58,18 +90,24 @@ class GemvPlan:
     k_per_split: int
     num_warps: int = 4
     num_stages: int = 3
+    swap_ab: bool = False
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def plan(m: int, n: int, k: int, num_sms: int, block_n: int = 64, block_k: int = FP8_BLOCK,
-         num_warps: int = 4, num_stages: int = 3, programs_per_sm: int = PROGRAMS_PER_SM) -> GemvPlan:
-    """The launch plan for ``[m, k] x [n, k]^T`` on a GPU with ``num_sms`` SMs: ``split``
-    so that ``ceil(n / block_n) * split`` reaches ``programs_per_sm * num_sms`` (each slice
-    at least ``MIN_K_PER_SPLIT`` long), slices a multiple of ``FP8_BLOCK``. The defaults
-    are the H100 sweep's best single plan (``PROGRAMS_PER_SM``).
+def block_rows(m: int) -> int:
+    """``BLOCK_M`` for ``m`` rows: the power of two at least ``m`` and 16 (a ``PLANS`` key)."""
+    return max(16, 1 << (m - 1).bit_length())
+
+
+def plan(m: int, n: int, k: int, num_sms: int, config: LaunchConfig | None = None,
+         block_k: int = FP8_BLOCK) -> GemvPlan:
+    """The launch plan for ``[m, k] x [n, k]^T`` on a GPU with ``num_sms`` SMs, under
+    ``config`` (default ``PLANS[block_rows(m)]``): ``split`` so that
+    ``ceil(n / block_n) * split`` reaches ``programs_per_sm * num_sms`` (each slice at
+    least ``MIN_K_PER_SPLIT`` long), slices a multiple of ``FP8_BLOCK``.
 
     Raises:
         ValueError: ``m`` outside ``1..MAX_ROWS``, or ``block_k`` not dividing ``FP8_BLOCK``.
@@ -78,13 +116,14 @@ def plan(m: int, n: int, k: int, num_sms: int, block_n: int = 64, block_k: int =
         raise ValueError(f"fp8_gemv takes 1..{MAX_ROWS} rows, got {m}")
     if FP8_BLOCK % block_k:
         raise ValueError(f"block_k must divide {FP8_BLOCK}, got {block_k}")
-    tiles_n = _cdiv(n, block_n)
-    target = programs_per_sm * num_sms
+    block_m = block_rows(m)
+    c = config or PLANS[block_m]
+    tiles_n = _cdiv(n, c.block_n)
+    target = c.programs_per_sm * num_sms
     split = 1 if tiles_n >= target else max(1, min(_cdiv(target, tiles_n), k // MIN_K_PER_SPLIT))
     k_per_split = _cdiv(_cdiv(k, split), FP8_BLOCK) * FP8_BLOCK
     split = _cdiv(k, k_per_split)
-    block_m = max(16, 1 << (m - 1).bit_length())
-    return GemvPlan(block_m, block_n, block_k, split, k_per_split, num_warps, num_stages)
+    return GemvPlan(block_m, c.block_n, block_k, split, k_per_split, c.num_warps, c.num_stages, c.swap_ab)
 
 
 def fp8_gemv_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -137,8 +176,8 @@ if triton is not None:
     @triton.jit
     def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn,
                          stride_om, stride_sn, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr, SPLIT: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                         BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr,
+                         SWAP_AB: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
@@ -149,36 +188,47 @@ if triton is not None:
         k_end = tl.minimum(k_start + k_per_split, K)
         x_rows = x_ptr + offs_m[:, None] * stride_xm
         w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SWAP_AB:  # acc^T [BLOCK_N, BLOCK_M]: the weight tile is the first operand
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < k_end
             x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-            part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
+            if SWAP_AB:
+                part = tl.dot(w.to(x.dtype), tl.trans(x), input_precision=DOT_PRECISION)
+            else:
+                part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
             if SCALE_BLOCK > 0:  # one scale per output channel for this step's 128 columns
                 s = tl.load(s_ptr + (offs_n // SCALE_BLOCK) * stride_sn + k0 // SCALE_BLOCK, mask=mask_n, other=0.0)
-                acc += part * s[None, :]
+                if SWAP_AB:
+                    acc += part * s[:, None]
+                else:
+                    acc += part * s[None, :]
             else:
                 acc += part
+        if SWAP_AB:
+            acc = tl.trans(acc)
         if SCALE_BLOCK == 0:
             acc = acc * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
         mask = mask_m[:, None] & mask_n[None, :]
-        if SPLIT == 1:
+        if SPLIT_K:
+            tl.store(part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
+        else:
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
             tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
                      mask=mask)
-        else:
-            tl.store(part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
 
     @triton.jit
-    def _splitk_sum_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om, SPLIT: tl.constexpr,
-                           BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
+    def _splitk_sum_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om, split, BLOCK: tl.constexpr,
+                           HAS_BIAS: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < M * N
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for s in tl.static_range(SPLIT):
+        for s in range(split):
             acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
         n = offs % N
         if HAS_BIAS:
@@ -226,11 +276,12 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     _fp8_gemv_kernel[(triton.cdiv(n, p.block_n), p.split)](
         x, weight, scale, bias_arg, out, part, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         scale.stride(0) if block_scales else 0, p.k_per_split, BLOCK_M=p.block_m, BLOCK_N=p.block_n,
-        BLOCK_K=p.block_k, SCALE_BLOCK=FP8_BLOCK if block_scales else 0, SPLIT=p.split, HAS_BIAS=has_bias,
+        BLOCK_K=p.block_k, SCALE_BLOCK=FP8_BLOCK if block_scales else 0, SPLIT_K=p.split > 1, SWAP_AB=p.swap_ab,
+        HAS_BIAS=has_bias,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=p.num_warps,
         num_stages=p.num_stages)
     if p.split > 1:
         block = 1024
-        _splitk_sum_kernel[(triton.cdiv(m * n, block),)](part, bias_arg, out, m, n, out.stride(0), SPLIT=p.split,
+        _splitk_sum_kernel[(triton.cdiv(m * n, block),)](part, bias_arg, out, m, n, out.stride(0), p.split,
                                                          BLOCK=block, HAS_BIAS=has_bias)
     return out

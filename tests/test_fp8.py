@@ -3,14 +3,24 @@ checkpoints saved in FP8, refusals, and perplexity on the real default model."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernels.fp8_gemv import PROGRAMS_PER_SM, check_gemv_args, dequantize_weight, fp8_gemv_ref, plan
+from kernels.fp8_gemv import (
+    PLANS,
+    LaunchConfig,
+    check_gemv_args,
+    dequantize_weight,
+    fp8_gemv,
+    fp8_gemv_ref,
+    plan,
+)
 from kernels.fp8_quant import quantize_blocks_ref, quantize_groups
 from shared.settings import ModelSettings, SettingsError
 from worker.models.config import ModelConfig
@@ -83,9 +93,15 @@ def test_gemv_plan_and_reference() -> None:
         p = plan(1, n, k, num_sms=132)
         assert p.k_per_split % 128 == 0 and (p.split - 1) * p.k_per_split < k <= p.split * p.k_per_split
         if n > 96:  # Qwen2.5-7B's projections: at least 2 programs per SM (K slices >= 512 allowing)
-            assert -(-n // p.block_n) * p.split >= min(PROGRAMS_PER_SM, 2) * 132, (n, k, p)
+            assert -(-n // p.block_n) * p.split >= min(PLANS[16].programs_per_sm, 2) * 132, (n, k, p)
     assert plan(1, 3584, 18944, 132).split == 10 and plan(1, 37888, 3584, 132).split == 1
     assert plan(5, 64, 512, 132).block_m == 16 and plan(33, 64, 512, 132).block_m == 64
+    assert plan(17, 64, 512, 132).block_m == 32 and set(PLANS) == {16, 32, 64}
+    # Each row bucket takes its PLANS entry unless a configuration is given.
+    for m in (1, 17, 64):
+        p, c = plan(m, 3584, 18944, 132), PLANS[plan(m, 8, 512, 132).block_m]
+        assert (p.block_n, p.num_warps, p.num_stages, p.swap_ab) == (c.block_n, c.num_warps, c.num_stages, c.swap_ab)
+    assert plan(64, 3584, 18944, 132, LaunchConfig(block_n=256, swap_ab=False)).block_n == 256
     with pytest.raises(ValueError, match="1..64 rows"):
         plan(65, 64, 512, 132)
     torch.manual_seed(0)
@@ -96,6 +112,28 @@ def test_gemv_plan_and_reference() -> None:
         check_gemv_args(x, q, scale.view(-1), None)
     with pytest.raises(ValueError, match="must be torch.float8_e4m3fn"):
         check_gemv_args(x, q.float(), scale, None)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
+                    reason="the Triton kernel on CPU: run with TRITON_INTERPRET=1 and triton installed")
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rows", [17, 33, 64])
+@pytest.mark.parametrize("scheme", ["block", "channel"])
+def test_fp8_gemv_kernel_interpreted(scheme: str, rows: int, bias: bool) -> None:
+    """``kernels/fp8_gemv.py`` run by Triton's interpreter (float32 inputs: it computes
+    bfloat16 wrongly) against its reference, in both operand orientations, on a weight
+    with a partial 128-block and a partial channel tile, split-K (2 slices, the last one
+    partial) at 17 and 64 rows and one slice at 33."""
+    n, k = 200, 1152
+    torch.manual_seed(rows)
+    w, w_scale = quantize_weight(torch.randn(n, k) * torch.logspace(-1, 1, k)[None, :] * 0.02, scheme)
+    x = torch.randn(rows, k)
+    b = torch.randn(n) if bias else None
+    ref = fp8_gemv_ref(x, w, w_scale, b)
+    for swap_ab in (False, True):
+        p = plan(rows, n, k, 1 if rows == 33 else 2, LaunchConfig(block_n=128, programs_per_sm=2, swap_ab=swap_ab))
+        assert p.split == (1 if rows == 33 else 2) and p.swap_ab == swap_ab
+        torch.testing.assert_close(fp8_gemv(x, w, w_scale, b, gemv_plan=p), ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("scheme", ["block", "channel"])

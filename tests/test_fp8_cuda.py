@@ -7,13 +7,14 @@ against the dequantized reference."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 
 import pytest
 import torch
 
-from kernels.fp8_gemv import fp8_gemv, fp8_gemv_ref, plan
+from kernels.fp8_gemv import PLANS, LaunchConfig, block_rows, fp8_gemv, fp8_gemv_ref, plan
 from kernels.fp8_quant import quantize_groups, quantize_groups_ref, quantize_rows, quantize_rows_ref
 from shared.model_source import DUMMY_CONFIGS
 from shared.sampling import SamplingParams
@@ -47,7 +48,7 @@ def test_quantize_groups_kernel_matches_reference() -> None:
 
 
 @pytest.mark.parametrize("scheme", ["block", "channel"])
-@pytest.mark.parametrize("rows", [17, 64, 333])
+@pytest.mark.parametrize("rows", [65, 333])
 def test_scaled_mm_matches_reference(rows: int, scheme: str) -> None:
     """Above ``GEMV_MAX_ROWS`` rows ``_scaled_mm`` (row-wise, or 1x128 x 128x128 blocks
     with the rows padded to 16) accumulates the same FP8 products in float32 as the
@@ -63,7 +64,7 @@ def test_scaled_mm_matches_reference(rows: int, scheme: str) -> None:
 
 
 @pytest.mark.parametrize("scheme", ["block", "channel"])
-@pytest.mark.parametrize("rows", [1, 5, 16, 64])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 64])
 @pytest.mark.parametrize("shape", [(3584, 18944), (4608, 3584), (200, 272)])
 def test_fp8_gemv_matches_reference(shape: tuple[int, int], rows: int, scheme: str) -> None:
     """The weight-streaming kernel (split-K for down_proj's shape, one split for qkv's,
@@ -82,6 +83,28 @@ def test_fp8_gemv_matches_reference(shape: tuple[int, int], rows: int, scheme: s
         assert torch.equal(fp8_linear(x, w, w_scale, bias), out)
 
 
+@pytest.mark.parametrize("swap_ab", [False, True])
+@pytest.mark.parametrize("scheme", ["block", "channel"])
+@pytest.mark.parametrize("rows", [17, 64])
+def test_fp8_gemv_orientations_and_tiles(rows: int, scheme: str, swap_ab: bool) -> None:
+    """Both operand orientations and every channel tile of ``bench/fp8_gemm_bench.py``'s
+    sweep, with 8 warps and a deeper pipeline, split-K (down_proj's shape) and a bias,
+    against the reference: a configuration the sweep may pick for ``PLANS`` computes
+    the same product."""
+    n, k = 3584, 18944
+    torch.manual_seed(rows)
+    w, w_scale = quantize_weight(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, scheme)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    ref = fp8_gemv_ref(x, w, w_scale, bias)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for block_n, num_warps, num_stages in ((64, 4, 3), (128, 8, 4), (256, 8, 3)):
+        p = plan(rows, n, k, sms, LaunchConfig(block_n, num_warps, num_stages, 2, swap_ab))
+        assert p.split > 1 and p.swap_ab == swap_ab
+        torch.testing.assert_close(fp8_gemv(x, w, w_scale, bias, gemv_plan=p), ref, rtol=1e-2,
+                                   atol=2e-3 * float(ref.abs().max()), msg=lambda m, p=p: f"{p}: {m}")
+
+
 def test_unaligned_block_layer_above_gemv_rows() -> None:
     """A block-scaled layer whose dims are not multiples of 128 (no cuBLASLt block GEMM)
     runs larger products through its dequantized weight: the GEMV's math at any row count."""
@@ -92,17 +115,23 @@ def test_unaligned_block_layer_above_gemv_rows() -> None:
     torch.testing.assert_close(fp8_linear(x, w, w_scale), ref, rtol=2e-2, atol=1e-2 * float(ref.abs().max()))
 
 
-def test_fp8_gemv_split_k_captures_into_a_cuda_graph() -> None:
-    """The split-K launch (partials and the second kernel) replays on new inputs."""
+@pytest.mark.parametrize("swap_ab", [False, True])
+@pytest.mark.parametrize("scheme", ["block", "channel"])
+@pytest.mark.parametrize("rows", [4, 17, 64])
+def test_fp8_gemv_split_k_captures_into_a_cuda_graph(rows: int, scheme: str, swap_ab: bool) -> None:
+    """The split-K launch (partials and the second kernel), in either operand orientation
+    with the rest of the row bucket's ``PLANS`` entry, replays on new inputs."""
     torch.manual_seed(0)
-    w, w_scale = quantize_weight(torch.randn(512, 8192, device="cuda", dtype=torch.bfloat16) * 0.02, "block")
-    assert plan(4, 512, 8192, torch.cuda.get_device_properties(0).multi_processor_count).split > 1
-    x = torch.randn(4, 8192, device="cuda", dtype=torch.bfloat16)
-    fp8_gemv(x, w, w_scale)  # compile outside the capture
+    w, w_scale = quantize_weight(torch.randn(512, 8192, device="cuda", dtype=torch.bfloat16) * 0.02, scheme)
+    config = dataclasses.replace(PLANS[block_rows(rows)], swap_ab=swap_ab)
+    p = plan(rows, 512, 8192, torch.cuda.get_device_properties(0).multi_processor_count, config)
+    assert p.split > 1
+    x = torch.randn(rows, 8192, device="cuda", dtype=torch.bfloat16)
+    fp8_gemv(x, w, w_scale, gemv_plan=p)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fp8_gemv(x, w, w_scale)
+        out = fp8_gemv(x, w, w_scale, gemv_plan=p)
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.testing.assert_close(out, fp8_gemv_ref(x, w, w_scale), rtol=1e-2, atol=2e-3 * float(out.abs().max()))

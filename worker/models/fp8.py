@@ -28,8 +28,8 @@ On CPU (the reference, used by the quality test and bench/fp8_quality.py) the we
 are rounded through E4M3 with their scales at load and stored back in the model dtype
 (``Linear.dequantize_fp8``), and each product's input is rounded through E4M3 as the
 prefill path does (``round_inputs``: per token for ``channel``, per 1x128 group for
-``block``): the error of what CUDA serves, or slightly more for decode rows, which
-CUDA does not round.
+``block``): the error of what CUDA serves, or slightly more for products of up to
+``GEMV_MAX_ROWS`` rows (decode), whose inputs CUDA does not round.
 
 Embeddings, the LM head, norms, the MoE router and the MoE experts stay in the model
 dtype (the experts' fused kernel, ``kernels/fused_moe.py``, has no FP8 path).
@@ -72,9 +72,11 @@ SCALED_MM_ALIGN = 16
 #: Weight layouts (see the module docstring); the first is the default of ``--quantization fp8``.
 FP8_SCHEMES = ("block", "channel")
 #: Products of up to this many rows run ``kernels/fp8_gemv.py`` on CUDA (W8A16, the
-#: decode steps of up to 16 sequences); larger ones ``torch._scaled_mm``. Measured
-#: crossover: bench/fp8_gemm_bench.py (docs/benchmarks.md, "FP8 weights").
-GEMV_MAX_ROWS = 16
+#: decode steps of up to 32 sequences; the kernel takes up to ``kernels.fp8_gemv.MAX_ROWS``);
+#: larger ones ``torch._scaled_mm``. Crossover on the H100: the kernel 0.138 ms a layer at
+#: 32 rows against cuBLASLt's 0.140, 0.186 against 0.159 at 64 (bench/fp8_gemm_bench.py
+#: ``--sweep``; docs/benchmarks.md, "FP8 weights").
+GEMV_MAX_ROWS = 32
 
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
