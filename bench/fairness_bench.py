@@ -1,5 +1,5 @@
 """Fair share and priority classes under load (docs/operations.md, "Priority classes and
-fair share"), with model-free sim workers.
+fair share"), with model-free sim workers or our engine.
 
 Starts an embedded Redis, one gateway, a batch worker and ``--num-workers`` workers
 (``--backend sim``: one token per running request per ``--step-time-ms`` step; ``--backend
@@ -25,8 +25,10 @@ The flood runs in a process of its own, so the probes' own event loop times only
 The gateway runs without API keys, so a bearer token names a tenant without being
 checked (``gateway/tenants.py``). Usage: ``python -m bench.fairness_bench`` (results:
 ``bench/results/fairness_sim.json`` and a table); the real model on CPU: ``python -m
-bench.fairness_bench --backend inferq --num-workers 1 --num-flood 200 --max-tokens 16``.
-``--phases`` runs a subset (a reduced run; the ratios need each loaded phase's unloaded one).
+bench.fairness_bench --backend inferq --num-workers 1 --num-flood 200 --max-tokens 16``;
+on a GPU, a real config's shapes with dummy weights: add ``--device cuda --dummy-model
+Qwen2.5-7B --tokenizer-dir DIR``. ``--phases`` runs a subset (a reduced run; the ratios
+need each loaded phase's unloaded one).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.procs import free_port, start, stop, wait_for_gateway, wait_for_workers
+from shared.model_source import DUMMY_CONFIGS
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = [504, 3458, 282, 4649, 314, 2]  # token ids: the sim echoes them
@@ -211,12 +214,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     files_dir = logs / "files"
-    gateway = start("gateway", server.url, "--port", str(port), "--max-queue-len", "100000",
+    # --dummy-model: a real config's shapes with dummy weights (a GPU machine has no GGUF),
+    # served under the default model's name so that the requests stay the same.
+    model: list[str] = []
+    if args.dummy_model:
+        from bench.model_folder import build_model_folder
+
+        folder, _ = build_model_folder(args.dummy_model, logs / "model", args.tokenizer_dir)
+        model = ["--model", str(folder), "--served-model-name", MODEL]
+    gateway = start("gateway", server.url, "--port", str(port), "--max-queue-len", "100000", *model,
                     "--files-dir", str(files_dir), "--log-level", "warning", log_path=logs / "gateway.log")
     batch_worker = start("batch-worker", server.url, "--files-dir", str(files_dir), "--batch-gateway-url", base_url,
                          "--log-level", "warning", log_path=logs / "batch-worker.log")
-    backend = (["--backend", "sim", "--sim-step-time-ms", str(args.step_time_ms)] if args.backend == "sim"
-               else ["--backend", "inferq", "--device", "cpu", "--dtype", "float32"])
+    if args.backend == "sim":
+        backend = ["--backend", "sim", "--sim-step-time-ms", str(args.step_time_ms)]
+    elif args.dummy_model:
+        backend = ["--backend", "inferq", *model, "--load-format", "dummy", "--device", args.device]
+    else:
+        backend = ["--backend", "inferq", "--device", args.device, "--dtype", "float32"]
     workers = [start("worker", server.url, *backend, "--max-num-seqs", str(args.max_num_seqs),
                      "--worker-id", f"{args.backend}-{i}", "--log-level", "warning",
                      log_path=logs / f"worker-{i}.log") for i in range(args.num_workers)]
@@ -261,12 +276,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "bench": f"fairness_{args.backend}", "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "command": "python -m bench.fairness_bench " + " ".join(sys.argv[1:]),
         "device": f"{platform.node()}: {os.cpu_count()} CPU cores shared by the gateway, Redis, "
-                  f"{args.num_workers} {args.backend} workers and the load client (no GPU)",
+                  f"{args.num_workers} {args.backend} workers and the load client"
+                  + (f"; the engine on {_gpu_name()}" if args.device == "cuda" else " (no GPU)"),
+        "model": args.dummy_model or MODEL,
         "host_loadavg_before": [round(x, 2) for x in loadavg_before],
-        "config": {k: v for k, v in vars(args).items() if k not in ("log_dir", "out")},
+        "config": {k: v for k, v in vars(args).items() if k not in ("log_dir", "out", "tokenizer_dir")},
         "worker_exit_codes": codes, "phases": phases,
         "median_ttft_ratios": {k: round(v, 2) for k, v in ratio.items()},
     }
+
+
+def _gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -286,8 +309,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-dir", default="/tmp/inferq-fairness-bench")
     parser.add_argument("--backend", choices=("sim", "inferq"), default="sim",
                         help="sim workers, or our engine on the default model (CPU, float32)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the inferq engine's device")
+    parser.add_argument("--dummy-model", choices=sorted(DUMMY_CONFIGS), default=None,
+                        help="inferq backend: this config's shapes with dummy weights (e.g. Qwen2.5-7B on a GPU)")
+    parser.add_argument("--tokenizer-dir", type=Path, default=None,
+                        help="with --dummy-model: the default model's tokenizer files (bench.product_bench "
+                             "--export-tokenizer)")
     parser.add_argument("--out", default=None, help="default: bench/results/fairness_<backend>.json")
     args = parser.parse_args(argv)
+    if args.dummy_model and args.backend != "inferq":
+        parser.error("--dummy-model needs --backend inferq")
     args.phases = [p for p in args.phases.split(",") if p]
     if unknown := set(args.phases) - set(PHASES):
         parser.error(f"unknown phases {sorted(unknown)}; choose from {', '.join(PHASES)}")

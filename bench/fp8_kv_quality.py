@@ -2,20 +2,22 @@
 
 Perplexity of SmolLM2-135M-Instruct (real weights, float32) on a fixed ~2,000-token
 text, scored in one prefill through prompt logprobs, with a float32 KV cache and with an
-fp8 one (e4m3, scale 1.0; the reference attention reads the quantized cache back, see
-``kernels/paged_attention.py``). Also records the largest |K| and |V| written to the cache,
-which is what the fixed scale of 1.0 must keep inside e4m3's ±448.
+fp8 one as served: each layer's mean key subtracted before the write and K/V scales of
+``amax / 448``, calibrated at load on the engine's built-in text
+(``worker/engine/kv_calibration.py``, not this text); the reference attention reads the
+quantized cache back (``kernels/paged_attention.py``). Also records the largest |K| and
+|V| written to the float32 cache.
 
-Also scores calibrated alternatives the engine does not serve yet (issue 16; simulated by
-a backend wrapper that knows the layer by its call order), calibrated on the 512 tokens
-of the text that follow the scored ones:
-- ``amax``: a K and a V scale per layer, ``amax / 448`` of the calibration prefill (as
-  vLLM's ``calculate_kv_scales``);
-- ``k_smooth``: each layer's mean K vector per KV head subtracted before the K write
-  (scale 1.0). Exact for softmax attention: it shifts every logit of a query by the same
-  ``q . mean``, so nothing is added back on read; it removes the large common part of K
-  that e4m3's 3 mantissa bits otherwise round (SageAttention's K smoothing, Zhang et al. 2024);
-- ``k_smooth_amax``: both.
+Variants, set on the same engine by replacing its layers' ``KVQuant`` (the encoding is
+the only difference):
+- ``k_bias_amax_scales``: the same calibration with scales of ``amax / 448`` (vLLM's
+  ``calculate_kv_scales``) instead of the served ones (1.0 unless values come near 448);
+- ``uncalibrated``: no bias and scales of 1.0 (vLLM's default; served before issue 16's
+  seventh session).
+
+Capacity: KV blocks that fit ``kv_cache_bytes`` for a bfloat16 model with a bfloat16 cache
+and with an fp8 one (``engine.num_kv_blocks``), the fp8 side less the calibration's
+per-layer K bias buffers (float32 ``[num_kv_heads, head_dim]``), which also take memory.
 
 Run: python bench/fp8_kv_quality.py --out bench/results/fp8_kv_quality_cpu.json
 """
@@ -34,10 +36,12 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kernels.fp8_quant import FP8_MAX
 from shared.sampling import SamplingParams
+from shared.settings import EngineSettings
+from worker.engine.engine import num_kv_blocks
+from worker.engine.kv_calibration import calibrate_kv_cache, kv_calibration_ids
 from worker.llm import LLM
-from worker.models.attention import TorchAttentionBackend
+from worker.models.attention import KVQuant, TorchAttentionBackend
 
 # English prose with some code: the docstrings of these standard-library modules and of
 # their public functions and classes, in this order (fixed for a given Python version).
@@ -65,57 +69,11 @@ class _AbsMaxBackend(TorchAttentionBackend):
     def __init__(self) -> None:
         self.k_max = self.v_max = 0.0
 
-    def __call__(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window=None):  # type: ignore[no-untyped-def]
+    def __call__(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window=None,  # type: ignore[no-untyped-def]
+                 kv_quant=None):
         self.k_max = max(self.k_max, k.abs().max().item())
         self.v_max = max(self.v_max, v.abs().max().item())
-        return super().__call__(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
-
-
-class _CalibrationBackend(TorchAttentionBackend):
-    """The reference backend, recording per layer ``amax |K|``, ``amax |V|`` and the sum and
-    count of K vectors (``[num_kv_heads, head_dim]``); the layer is the call index modulo
-    ``num_layers`` (one forward calls every layer once, in order)."""
-
-    def __init__(self, num_layers: int) -> None:
-        self.num_layers, self.calls = num_layers, 0
-        self.k_amax, self.v_amax = [0.0] * num_layers, [0.0] * num_layers
-        self.k_sum: list[torch.Tensor | float] = [0.0] * num_layers
-        self.k_count = [0] * num_layers
-
-    def __call__(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window=None):  # type: ignore[no-untyped-def]
-        i = self.calls % self.num_layers
-        self.calls += 1
-        self.k_amax[i] = max(self.k_amax[i], k.abs().max().item())
-        self.v_amax[i] = max(self.v_amax[i], v.abs().max().item())
-        self.k_sum[i] = self.k_sum[i] + k.float().sum(0)
-        self.k_count[i] += k.shape[0]
-        return super().__call__(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
-
-
-class _CalibratedBackend(TorchAttentionBackend):
-    """The reference backend with per-layer K/V scales and an optional K bias ``[H, D]``
-    per layer subtracted before the write (layers by call order, as above)."""
-
-    def __init__(self, k_scales: list[float], v_scales: list[float], k_bias: list[torch.Tensor] | None) -> None:
-        self.k_scales, self.v_scales, self.k_bias, self.calls = k_scales, v_scales, k_bias, 0
-
-    def __call__(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window=None):  # type: ignore[no-untyped-def]
-        i = self.calls % len(self.k_scales)
-        self.calls += 1
-        self.k_scale, self.v_scale = self.k_scales[i], self.v_scales[i]
-        if self.k_bias is not None:
-            k = k - self.k_bias[i].to(k.dtype)
-        return super().__call__(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
-
-
-def calibrated_variants(cal: _CalibrationBackend) -> dict[str, _CalibratedBackend]:
-    """The calibrated backends of the module docstring, from a calibration recording."""
-    n = cal.num_layers
-    ones, k_amax = [1.0] * n, [a / FP8_MAX for a in cal.k_amax]
-    v_amax = [a / FP8_MAX for a in cal.v_amax]
-    mean = [s / c for s, c in zip(cal.k_sum, cal.k_count, strict=True)]  # type: ignore[operator]
-    return {"amax": _CalibratedBackend(k_amax, v_amax, None), "k_smooth": _CalibratedBackend(ones, ones, mean),
-            "k_smooth_amax": _CalibratedBackend(k_amax, v_amax, mean)}
+        return super().__call__(q, k, v, k_cache, v_cache, meta, scale, sliding_window, kv_quant)
 
 
 def perplexity(llm: LLM, prompt_ids: list[int]) -> float:
@@ -133,6 +91,25 @@ def build(**kwargs: Any) -> LLM:
                   "enable_prefix_caching": False, **kwargs})
 
 
+def set_encoding(llm: LLM, quants: list[KVQuant | None]) -> None:
+    """Give layer ``i`` of ``llm``'s model the fp8 encoding ``quants[i]`` (``None``: no bias,
+    scales of 1.0)."""
+    for layer, q in zip(llm.engine.runner.model.layers, quants, strict=True):
+        layer.self_attn.kv_quant = q
+
+
+def capacity(llm: LLM, kv_cache_bytes: int = 2**30) -> dict[str, Any]:
+    """Blocks of a bfloat16 and of an fp8 cache in ``kv_cache_bytes`` for ``llm``'s model
+    (the fp8 side less its K bias buffers) and their ratio (the goal: >= 1.9)."""
+    cfg, cpu = llm.engine.model_config, torch.device("cpu")
+    bf16 = num_kv_blocks(cfg, EngineSettings(kv_cache_bytes=kv_cache_bytes), torch.bfloat16, cpu)
+    bias_bytes = sum(layer.self_attn.kv_quant.k_bias.nbytes for layer in llm.engine.runner.model.layers)
+    fp8 = num_kv_blocks(cfg, EngineSettings(kv_cache_bytes=kv_cache_bytes - bias_bytes, kv_cache_dtype="fp8"),
+                        torch.bfloat16, cpu)
+    return {"kv_cache_bytes": kv_cache_bytes, "k_bias_bytes": bias_bytes, "blocks_bf16": bf16, "blocks_fp8": fp8,
+            "ratio": fp8 / bf16}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-tokens", type=int, default=2000)
@@ -141,11 +118,7 @@ def main() -> None:
     res: dict[str, Any] = {"date": date.today().isoformat(), "torch": torch.__version__,
                            "model": "SmolLM2-135M-Instruct", "dtype": "float32", "device": "cpu"}
     ref = build(kv_cache_dtype="auto")
-    all_ids = ref.encode(fixed_text())
-    ids, calibration_ids = all_ids[:args.num_tokens], all_ids[args.num_tokens:args.num_tokens + 512]
-    cal = _CalibrationBackend(len(ref.engine.runner.model.layers))
-    ref.engine.runner.backend = cal
-    perplexity(ref, calibration_ids)
+    ids = ref.encode(fixed_text())[:args.num_tokens]
     res["num_tokens"] = len(ids)
     recorder = _AbsMaxBackend()
     ref.engine.runner.backend = recorder
@@ -153,14 +126,31 @@ def main() -> None:
     res["max_abs_k"], res["max_abs_v"] = round(recorder.k_max, 3), round(recorder.v_max, 3)
     del ref
     fp8 = build(kv_cache_dtype="fp8")
+    served = [layer.self_attn.kv_quant for layer in fp8.engine.runner.model.layers]
+    assert all(q is not None for q in served), "the engine did not calibrate the fp8 cache"
     res["ppl_fp8_cache"] = perplexity(fp8, ids)
     res["ppl_rel_change"] = res["ppl_fp8_cache"] / res["ppl_float32_cache"] - 1.0
-    res["calibrated"] = {"calibration_tokens": len(calibration_ids)}
-    for name, backend in calibrated_variants(cal).items():
-        fp8.engine.runner.backend = backend
+    print("served", res["ppl_fp8_cache"], res["ppl_rel_change"], flush=True)
+    res["served_encoding"] = {"k_scale": [round(q.k_scale, 5) for q in served if q],
+                              "v_scale": [round(q.v_scale, 5) for q in served if q],
+                              "max_abs_k_bias": round(max(q.k_bias.abs().max().item() for q in served if q), 3)}
+    served_scales = [(q.k_scale, q.v_scale) for q in served if q]
+    runner, es = fp8.engine.runner, fp8.engine.engine_settings
+    cal_ids = kv_calibration_ids(fp8.source, es, runner.cfg.vocab_size, runner.max_model_len)
+    amax = calibrate_kv_cache(runner.model, runner.kv_caches, cal_ids, runner.device, exact_scales=True)
+    variants: dict[str, list[KVQuant | None]] = {
+        "k_bias_amax_scales": list(amax), "uncalibrated": [None] * len(served)}
+    res["variants"] = {}
+    for name, quants in variants.items():
+        set_encoding(fp8, quants)
         ppl = perplexity(fp8, ids)
-        res["calibrated"][name] = {"ppl": ppl, "rel_change": ppl / res["ppl_float32_cache"] - 1.0}
-        print(name, res["calibrated"][name], flush=True)
+        res["variants"][name] = {"ppl": ppl, "rel_change": ppl / res["ppl_float32_cache"] - 1.0}
+        print(name, res["variants"][name], flush=True)
+    set_encoding(fp8, served)
+    for q, (k_scale, v_scale) in zip(served, served_scales):  # amax's are the served objects
+        assert q is not None
+        q.k_scale, q.v_scale = k_scale, v_scale
+    res["capacity"] = capacity(fp8)
     print(json.dumps(res, indent=1))
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)

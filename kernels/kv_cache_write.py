@@ -5,7 +5,15 @@ FP8 cache (``float8_e4m3fn``, ``--kv-cache-dtype fp8``): each value is stored as
 ``clamp(x / scale, -448, 448)`` rounded to nearest even (448 is e4m3's largest finite
 value), with one per-tensor scale for K and one for V; readers multiply by the same scale
 (``kernels/paged_attention.py``). vLLM's ``reshape_and_cache_flash`` with ``fp8`` does the
-same. See docs/operations.md, "FP8 KV cache".
+same.
+
+K bias (fp8 only): an optional ``[num_kv_heads, head_dim]`` float32 vector per layer is
+subtracted from every key before it is quantized, ``clamp((k - k_bias) / k_scale)``; the
+engine sets it to the layer's mean key (``worker/engine/kv_calibration.py``). Readers do
+not add it back: softmax attention is unchanged when every key of a query moves by the
+same vector (``q . (k - c) = q . k - q . c``, one shift for every logit of the query), so
+only the rounding error changes, and e4m3's 3 mantissa bits no longer spend themselves on
+the large part that all keys share. See docs/operations.md, "FP8 KV cache".
 """
 
 from __future__ import annotations
@@ -22,8 +30,9 @@ def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 def check_kv_write_args(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Validate shapes and dtypes of a KV-cache write.
+                        v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                        k_bias: torch.Tensor | None = None) -> None:
+    """Validate shapes and dtypes of a KV-cache write (``k_bias``: see ``kv_cache_write_ref``).
 
     Raises:
         ValueError: on any mismatch.
@@ -41,11 +50,18 @@ def check_kv_write_args(key: torch.Tensor, value: torch.Tensor, k_cache: torch.T
         raise ValueError(f"slot_mapping must be [num_tokens], got {tuple(slot_mapping.shape)}")
     if slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+    if k_bias is not None:
+        if k_cache.dtype != FP8_KV_DTYPE:
+            raise ValueError(f"k_bias is for an fp8 cache only, got a {k_cache.dtype} cache")
+        if k_bias.shape != key.shape[1:] or k_bias.dtype != torch.float32 or not k_bias.is_contiguous() \
+                or k_bias.device != key.device:
+            raise ValueError(f"k_bias must be contiguous float32 [num_kv_heads, head_dim] = {tuple(key.shape[1:])} "
+                             f"on {key.device}, got {k_bias.dtype} {tuple(k_bias.shape)} on {k_bias.device}")
 
 
 def kv_cache_write_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, slot_mapping: torch.Tensor, has_padding: bool = True,
-                       k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                       k_scale: float = 1.0, v_scale: float = 1.0, k_bias: torch.Tensor | None = None) -> None:
     """PyTorch reference: ``cache.view(-1, H, D)[slot] = key`` for every slot >= 0.
 
     Args:
@@ -58,9 +74,16 @@ def kv_cache_write_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
         has_padding: ``False`` when the caller knows every slot is >= 0 (skips a check
             that costs a reduction per layer on CPU).
         k_scale, v_scale: the fp8 cache's per-tensor scales (ignored for other dtypes).
+        k_bias: ``None`` or ``[num_kv_heads, head_dim]`` float32 on key's device, fp8 cache
+            only: subtracted from every key before it is quantized (module docstring).
+
+    Raises:
+        ValueError: shapes or dtypes do not match (``check_kv_write_args``).
     """
-    check_kv_write_args(key, value, k_cache, v_cache, slot_mapping)
+    check_kv_write_args(key, value, k_cache, v_cache, slot_mapping, k_bias)
     if k_cache.dtype == FP8_KV_DTYPE:  # CPU has no fp8 index_copy_: copy the bytes
+        if k_bias is not None:
+            key = key.float() - k_bias
         key, value = quantize_fp8(key, k_scale).view(torch.uint8), quantize_fp8(value, v_scale).view(torch.uint8)
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
@@ -90,8 +113,8 @@ if triton is not None:
         key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
         stride_kt, stride_kh, stride_vt, stride_vh,
         stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-        k_scale, v_scale,
-        FP8: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        k_scale, v_scale, k_bias_ptr,
+        FP8: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     ):
         tok = tl.program_id(0)
         slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
@@ -107,7 +130,10 @@ if triton is not None:
         k = tl.load(key_ptr + t64 * stride_kt + h * stride_kh + d, mask=mask)
         v = tl.load(value_ptr + t64 * stride_vt + h * stride_vh + d, mask=mask)
         if FP8:  # quantize: x / scale clamped to e4m3's range, round to nearest even
-            k = tl.minimum(tl.maximum(k.to(tl.float32) / k_scale, -448.0), 448.0).to(k_cache_ptr.dtype.element_ty)
+            k = k.to(tl.float32)
+            if HAS_BIAS:  # contiguous [NUM_KV_HEADS, HEAD_DIM]: element h * HEAD_DIM + d is idx
+                k = k - tl.load(k_bias_ptr + idx, mask=mask, other=0.0)
+            k = tl.minimum(tl.maximum(k / k_scale, -448.0), 448.0).to(k_cache_ptr.dtype.element_ty)
             v = tl.minimum(tl.maximum(v.to(tl.float32) / v_scale, -448.0), 448.0).to(v_cache_ptr.dtype.element_ty)
         tl.store(k_cache_ptr + blk * stride_kcb + off * stride_kcs + h * stride_kch + d, k, mask=mask)
         tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vcs + h * stride_vch + d, v, mask=mask)
@@ -115,9 +141,10 @@ if triton is not None:
 
 def kv_cache_write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                   k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                   k_scale: float = 1.0, v_scale: float = 1.0, k_bias: torch.Tensor | None = None) -> None:
     """Write ``key``/``value`` into the caches at ``slot_mapping`` (slot -1 skipped),
-    quantized to fp8 with ``k_scale``/``v_scale`` when the caches are ``float8_e4m3fn``.
+    quantized to fp8 with ``k_scale``/``v_scale`` (keys less ``k_bias`` when given) when
+    the caches are ``float8_e4m3fn``.
 
     Triton on CUDA (one launch, no host sync, CUDA-graph safe); the reference elsewhere.
     Same arguments as ``kv_cache_write_ref``; key and value may be strided views (e.g.
@@ -126,16 +153,17 @@ def kv_cache_write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
     Raises:
         ValueError: shapes, dtypes or strides do not match.
     """
-    check_kv_write_args(key, value, k_cache, v_cache, slot_mapping)
+    check_kv_write_args(key, value, k_cache, v_cache, slot_mapping, k_bias)
     if triton is None or not key.is_cuda:
-        kv_cache_write_ref(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+        kv_cache_write_ref(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale,
+                           k_bias=k_bias)
         return
-    _kv_cache_write_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    _kv_cache_write_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, k_bias)
 
 
 def _kv_cache_write_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                            v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                           k_scale: float, v_scale: float) -> None:
+                           k_scale: float, v_scale: float, k_bias: torch.Tensor | None) -> None:
     for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in head_dim, strides {t.stride()}")
@@ -150,7 +178,8 @@ def _kv_cache_write_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torc
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        float(k_scale), float(v_scale), FP8=k_cache.dtype == FP8_KV_DTYPE,
+        float(k_scale), float(v_scale), key if k_bias is None else k_bias,  # key: a pointer never read
+        FP8=k_cache.dtype == FP8_KV_DTYPE, HAS_BIAS=k_bias is not None,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK=block, BLOCK_SIZE=k_cache.shape[1],
         num_warps=4 if block <= 1024 else 8,
     )

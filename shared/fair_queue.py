@@ -16,17 +16,21 @@ Two Lua scripts do every change, so each is atomic however many gateways and wor
 
 - ``_ENQUEUE`` (gateway): XADD the request(s) with their cost, join the tenant to its
   class's active set, ring the doorbell. A tenant that (re)joins starts at the smallest
-  active counter of its class (VTC's lift): idling banks no credit, and a tenant that
-  left (nothing waiting) was the one with the smallest counter when it was last served,
-  so forgetting its counter gains it at most one request's cost.
+  active counter of its class (VTC's lift), rounded up, less half a token
+  (``JOIN_OFFSET``): it is served before the tenant holding that counter, not after it
+  on a tie broken by stream name. Idling banks no credit: a tenant that left (nothing
+  waiting) was the one with the smallest counter when it was last served, so forgetting
+  its counter gains it at most one request's cost.
 - ``_PULL`` (worker): take the highest non-empty class (interactive, then default, then
   batch), in it the stream with the smallest counter, XREADGROUP one entry (no BLOCK:
   allowed in scripts), and add the entry's cost to the counter; a stream with nothing
   undelivered leaves the active set. Repeat while fewer than ``N[class]`` entries are
   taken in all, where ``N[c]`` is what the engine can admit of class ``c``
   (``num_admittable(c)``: a full engine may still take a higher class, which it preempts
-  a lower one for). When every class came up empty, nothing waits: it clears the
-  doorbell.
+  a lower one for). Then, per class, up to ``extra[class]`` more entries, each from the
+  stream with the smallest counter that the worker did not exclude (a full engine's fair
+  share of slots between tenants: ``worker/engine/fair_share.py``). When every class
+  came up empty, nothing waits: it clears the doorbell.
 
 An entry's cost is ``PROMPT_TOKEN_WEIGHT * prompt tokens + OUTPUT_TOKEN_WEIGHT *
 max_tokens`` (VTC's cost function ``w_p * input + w_q * output``; our weights make an
@@ -39,7 +43,7 @@ Entries XADDed to the base stream by hand (without the script) carry no cost: th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -63,6 +67,16 @@ PROMPT_TOKEN_WEIGHT = 1
 OUTPUT_TOKEN_WEIGHT = 2
 #: Stream entry field holding the entry's cost (``entry_cost``), beside ``STREAM_FIELD``.
 COST_FIELD = b"c"
+#: A tenant that joins its class's active set scores ``ceil(smallest counter) -
+#: JOIN_OFFSET``: just before the tenant with the smallest counter, so its first request
+#: is the next one pulled, not one pull later on a tie broken by stream name. Counters
+#: move in whole cost units, so a joiner never sorts before another tenant that joined at
+#: the same minimum (both score ``ceil(min) - JOIN_OFFSET``), and gains at most
+#: ``JOIN_OFFSET`` of credit.
+JOIN_OFFSET = 0.5
+#: A fair-share pull (``FairQueue.pull``'s ``extra``) looks at most at this many of a
+#: class's active tenants, smallest counter first, for one not excluded.
+FAIR_SHARE_SCAN_STREAMS = 16
 #: The doorbell holds at most this many rings (one per enqueued entry; stale ones are
 #: cleared when a pull finds the queue empty).
 DOORBELL_MAX_RINGS = 64
@@ -90,7 +104,7 @@ def stream_class_tenant(keys: Keys, model: str, stream: str) -> tuple[str, str]:
 
 # KEYS: stream, class active set, model's stream set, doorbell[, request-id key]
 # ARGV: group, stream field, cost field, entry id to finish first ("" none), ttl, wire id,
-#       max rings, then (cost, payload) pairs. Returns the new entry ids, or false when
+#       max rings, join offset (JOIN_OFFSET), then (cost, payload) pairs. Returns the new entry ids, or false when
 #       the request-id key exists (nothing written).
 _ENQUEUE = """
 if #KEYS > 4 and not redis.call('SET', KEYS[5], ARGV[6], 'NX', 'EX', ARGV[5]) then
@@ -105,10 +119,12 @@ if redis.call('SADD', KEYS[3], KEYS[1]) == 1 then
 end
 if not redis.call('ZSCORE', KEYS[2], KEYS[1]) then
   local low = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
-  redis.call('ZADD', KEYS[2], low[2] or 0, KEYS[1])
+  local score = 0
+  if low[2] then score = math.ceil(tonumber(low[2])) - ARGV[8] end
+  redis.call('ZADD', KEYS[2], score, KEYS[1])
 end
 local ids = {}
-for i = 8, #ARGV, 2 do
+for i = 9, #ARGV, 2 do
   ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[i + 1], ARGV[3], ARGV[i])
   redis.call('RPUSH', KEYS[4], 1)
 end
@@ -118,11 +134,14 @@ return ids
 
 # KEYS: the classes' active sets (highest class first), base stream, doorbell
 # ARGV: group, consumer, cost field, then per class the most entries to hold in all once
-# that class's are taken, and the limit for the base stream's hand-made entries.
-# Returns {stream, entry id, fields} triples.
+# that class's are taken, the limit for the base stream's hand-made entries, per class
+# the fair-share extra entries, the most streams to scan for them, then the streams
+# excluded from the extras. Returns {stream, entry id, fields} triples.
 _PULL = """
 local n_classes = #KEYS - 2
 local base, doorbell = KEYS[n_classes + 1], KEYS[n_classes + 2]
+local excluded = {}
+for i = 6 + 2 * n_classes, #ARGV do excluded[ARGV[i]] = true end
 local function read(stream, count)
   local r = redis.pcall('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', count, 'STREAMS', stream, '>')
   if type(r) == 'table' and r.err then
@@ -149,6 +168,26 @@ for c = 1, n_classes do
       end
       redis.call('ZINCRBY', KEYS[c], cost, top[1])
       out[#out + 1] = {top[1], entries[1][1], fields}
+    end
+  end
+  local extra = tonumber(ARGV[4 + n_classes + c])
+  if extra > 0 then
+    for _, stream in ipairs(redis.call('ZRANGE', KEYS[c], 0, tonumber(ARGV[5 + 2 * n_classes]) - 1)) do
+      if extra == 0 then break end
+      if not excluded[stream] then
+        local entries = read(stream, 1)
+        if #entries == 0 then
+          redis.call('ZREM', KEYS[c], stream)
+        else
+          local fields, cost = entries[1][2], 1
+          for i = 1, #fields, 2 do
+            if fields[i] == ARGV[3] then cost = tonumber(fields[i + 1]) or 1 end
+          end
+          redis.call('ZINCRBY', KEYS[c], cost, stream)
+          out[#out + 1] = {stream, entries[1][1], fields}
+          extra = extra - 1
+        end
+      end
     end
   end
 end
@@ -209,7 +248,7 @@ class FairQueue:
         if request_id_key is not None:
             keys.append(request_id_key)
         args: list[Any] = [CONSUMER_GROUP, STREAM_FIELD, COST_FIELD, finish_entry_id, max(1, ttl_s), wire_id,
-                           DOORBELL_MAX_RINGS]
+                           DOORBELL_MAX_RINGS, JOIN_OFFSET]
         for r in requests:
             args += [entry_cost(r), protocol.encode(r)]
         if pipe is not None:
@@ -217,22 +256,28 @@ class FairQueue:
         ids = await self._enqueue(keys=keys, args=args)
         return None if ids is None else list(ids)
 
-    async def pull(self, consumer: str, count: int | Sequence[int]) -> list[tuple[str, bytes, dict[bytes, bytes]]]:
+    async def pull(self, consumer: str, count: int | Sequence[int], extra: Sequence[int] = (),
+                   excluded: Collection[str] = ()) -> list[tuple[str, bytes, dict[bytes, bytes]]]:
         """Deliver waiting entries to ``consumer``: highest class first, within a class the
         tenant with the smallest virtual token counter. ``count``: the most entries in all,
         or per class rank ``c`` the most in all once class ``c``'s are taken (the engine's
         ``num_admittable(c)``, non-decreasing in ``c``); entries XADDed to the base stream
-        by hand count against the ``default`` class's. Returns ``(stream, entry id,
-        fields)`` triples in the order they were chosen.
+        by hand count against the ``default`` class's. ``extra`` (per class rank, default
+        none): entries to take beyond that, each from the tenant with the smallest counter
+        among the first ``FAIR_SHARE_SCAN_STREAMS`` of the class whose stream is not in
+        ``excluded`` (a full engine's fair share of slots: ``EngineBackend.fair_share_blocked``).
+        Returns ``(stream, entry id, fields)`` triples in the order they were chosen.
 
         Raises:
             redis.exceptions.RedisError, OSError: Redis unreachable.
         """
         counts = [count] * len(PRIORITY_CLASSES) if isinstance(count, int) else list(count)
-        assert len(counts) == len(PRIORITY_CLASSES), counts
+        extras = list(extra) or [0] * len(PRIORITY_CLASSES)
+        assert len(counts) == len(extras) == len(PRIORITY_CLASSES), (counts, extras)
         reply = await self._pull(keys=[*self._active, self.base_stream, self.keys.doorbell(self.model)],
                                  args=[CONSUMER_GROUP, consumer, COST_FIELD, *counts,
-                                       counts[class_rank(DEFAULT_CLASS)]])
+                                       counts[class_rank(DEFAULT_CLASS)], *extras, FAIR_SHARE_SCAN_STREAMS,
+                                       *excluded])
         out = []
         for stream, entry_id, flat in reply or []:
             fields = {flat[i]: flat[i + 1] for i in range(0, len(flat), 2)}

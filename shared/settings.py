@@ -113,7 +113,7 @@ class EngineSettings:
         "(docs/operations.md, \"Tensor parallelism\")"))
     attention_backend: str = field(default="auto", metadata=_doc("auto | torch | cpu | triton"))
     kv_cache_dtype: str = field(default="auto", metadata=_doc(
-        "auto (the model's dtype) | fp8 (float8 e4m3, scale 1.0: about twice the tokens per byte)"))
+        "auto (the model's dtype) | fp8 (float8 e4m3, K bias calibrated at load: about twice the tokens per byte)"))
     async_scheduling: bool = field(default=True, metadata=_doc(
         "With CUDA graphs, enqueue the next decode step before the current one's tokens reach the host"))
     prefill_tokens_per_decode: int = field(default=8, metadata=_doc(

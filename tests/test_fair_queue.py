@@ -12,12 +12,13 @@ import pytest
 import redis.asyncio as aioredis
 
 from shared import protocol
-from shared.fair_queue import FairQueue, entry_cost
+from shared.fair_queue import JOIN_OFFSET, FairQueue, entry_cost
 from shared.keys import CONSUMER_GROUP, STREAM_FIELD, Keys
 from shared.protocol import ErrorMessage, GenerateRequest, TokenBatch
 from shared.queues import snapshot
 from shared.sampling import SamplingParams
 from shared.settings import EngineSettings, ModelSettings
+from shared.streams import as_text
 from worker import service
 from worker.backends.sim import SimBackend
 from worker.service import Worker
@@ -77,14 +78,32 @@ async def test_a_flooding_tenant_does_not_starve_another(client: aioredis.Redis)
         await _put(queue, "default", "A", _request(f"a{i}"))
     for _ in range(10):  # A is served a while alone: its counter grows
         await queue.pull("w1", 1)
-    await _put(queue, "default", "B", _request("b"))
-    # B joins at A's counter (VTC's lift), so it is next or the one after.
-    first = [rid for _ in range(3) for rid in _ids(await queue.pull("w1", 1))]
-    assert "b" in first, first
+    # B's stream name sorts after A's ("zB" > "A"): a tie at A's counter would go to A.
+    await _put(queue, "default", "zB", _request("b"))
+    # B joins just below A's counter (VTC's lift less JOIN_OFFSET), so it is next.
+    assert _ids(await queue.pull("w1", 1)) == ["b"]
     # A's others all come after, each pulled once.
     rest = _ids(await queue.pull("w1", 500))
-    assert len(first) + len(rest) == 191 and all(r.startswith("a") for r in rest)
+    assert len(rest) == 190 and all(r.startswith("a") for r in rest)
     assert entry_cost(_request("x")) == 3 + 2 * 4
+
+
+async def test_joiners_go_before_the_smallest_counter_but_never_before_each_other(
+        client: aioredis.Redis) -> None:
+    queue = FairQueue(client, _keys(), MODEL)
+    for i in range(5):
+        await _put(queue, "default", "A", _request(f"a{i}"))
+    await queue.pull("w1", 1)  # A's counter: one request's cost
+    cost = entry_cost(_request("x"))
+    # C joins, then B (whose name sorts first) joins at C's counter, not below it.
+    await _put(queue, "default", "C", _request("c"))
+    await _put(queue, "default", "B", _request("b"))
+    active = queue.active_set("default")
+    scores = {as_text(m): s for m, s in await client.zrange(active, 0, -1, withscores=True)}
+    assert scores[queue.stream("default", "C")] == scores[queue.stream("default", "B")] == cost - JOIN_OFFSET
+    assert scores[queue.stream("default", "A")] == cost
+    # Both joiners come before A; between them the stream name decides.
+    assert _ids(await queue.pull("w1", 3)) == ["b", "c", "a1"]
 
 
 async def test_two_workers_pulling_at_once_never_get_the_same_entry(client: aioredis.Redis,

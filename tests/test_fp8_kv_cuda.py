@@ -162,3 +162,40 @@ def test_engine_triton_graphs_match_reference_on_fp8_cache() -> None:
     frac = same / sum(len(r) for r in ref)
     print(f"fp8 cache, triton with graphs vs torch: {frac:.1%} of positions agree")
     assert frac >= 0.90, frac
+
+
+def test_write_subtracts_k_bias_like_the_reference() -> None:
+    """The Triton write with a K bias (keys offset by 40, as real keys in a few channels):
+    the reference's bytes, and the bias is what makes them close to ``k - bias``."""
+    gen = torch.Generator().manual_seed(4)
+    num_tokens, kv_heads, head_dim, block_size, pool = 40, 4, 128, 16, 4
+    bias = (torch.randn(kv_heads, head_dim, generator=gen) + 40.0).to(DEV)
+    key = (bias + torch.randn(num_tokens, kv_heads, head_dim, generator=gen).to(DEV)).to(torch.bfloat16)
+    value = torch.randn(num_tokens, kv_heads, head_dim, generator=gen).to(DEV, torch.bfloat16)
+    slots = torch.randperm(pool * block_size, generator=gen)[:num_tokens].to(DEV)
+    slots[::5] = -1
+    caches = [torch.zeros(pool, block_size, kv_heads, head_dim, dtype=FP8_KV_DTYPE, device=DEV) for _ in range(4)]
+    kv_cache_write(key, value, caches[0], caches[1], slots, K_SCALE, V_SCALE, k_bias=bias)
+    kv_cache_write_ref(key, value, caches[2], caches[3], slots, k_scale=K_SCALE, v_scale=V_SCALE, k_bias=bias)
+    for got, want in ((caches[0], caches[2]), (caches[1], caches[3])):
+        same = (got.view(torch.uint8) == want.view(torch.uint8)).float().mean().item()
+        assert same > 0.9999, same
+    valid = slots >= 0
+    written = caches[0].view(-1, kv_heads, head_dim)[slots[valid]].float() * K_SCALE
+    shifted = key[valid].float() - bias
+    assert (written - shifted).abs().max().item() <= 2**-4 * shifted.abs().max().item() + 2**-9 * K_SCALE
+
+
+def test_engine_calibrates_before_graph_capture() -> None:
+    """The Triton engine with graphs on calibrates every layer at load (a non-zero K bias
+    on the device) and still matches the reference backend's greedy tokens
+    (``test_engine_triton_graphs_match_reference_on_fp8_cache``)."""
+    llm = LLM(model="SmolLM2-135M", load_format="dummy", dtype="bfloat16", device="cuda",
+              attention_backend="triton", kv_cache_dtype="fp8", num_kv_blocks=64, max_num_seqs=4,
+              max_num_batched_tokens=128, max_model_len=1024)
+    quants = [layer.self_attn.kv_quant for layer in llm.engine.runner.model.layers]
+    assert all(q is not None and q.k_bias.is_cuda and q.k_bias.abs().max() > 0 for q in quants)
+    assert llm.engine.runner.graphs is not None
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()

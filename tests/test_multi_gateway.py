@@ -48,8 +48,8 @@ class RecordingSim(SimBackend):
         self.aborted: list[str] = []
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    output_token_ids: list[int] | None = None, priority: int = 0) -> None:
-        super().add_request(request_id, prompt_token_ids, sampling, output_token_ids, priority)
+                    output_token_ids: list[int] | None = None, priority: int = 0, tenant: str = "") -> None:
+        super().add_request(request_id, prompt_token_ids, sampling, output_token_ids, priority, tenant)
         self.added.append((request_id, len(output_token_ids or ())))
 
     def abort(self, request_id: str) -> bool:

@@ -4,8 +4,10 @@ Each turn of the loop:
 1. apply aborts received on the control channel;
 2. pull only as many requests as the engine can admit (``num_admittable``) with the
    fair queue's pull script (``shared/fair_queue.py``: highest class first, within it
-   the tenant with the smallest virtual token counter); when the engine is idle and
-   nothing waits, block briefly on the model's doorbell, which every enqueue rings;
+   the tenant with the smallest virtual token counter; a class the engine is full of
+   still gets one request of a tenant that runs fewer of it than another, which the
+   engine preempts one of the other's for); when the engine is idle and nothing waits,
+   block briefly on the model's doorbell, which every enqueue rings;
 3. run one engine step on the engine thread (``worker/engine_thread.py``), off the
    event loop, while the previous step's outputs are published;
 4. start publishing this step's outputs: one ``TokenBatch`` per gateway (every request
@@ -31,7 +33,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from shared import protocol
-from shared.fair_queue import PRIORITY_CLASSES, FairQueue
+from shared.fair_queue import PRIORITY_CLASSES, FairQueue, stream_class_tenant
 from shared.keys import CONSUMER_GROUP, HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, STREAM_FIELD, Keys
 from shared.liveness import live_workers
 from shared.protocol import AbortMessage, ErrorMessage, GenerateRequest, TokenBatch, TokenOutput, WorkerStatus
@@ -214,13 +216,23 @@ class Worker:
         # Per class: what the engine can admit of it (a full engine still takes a higher
         # class than it runs, preempting for it); the pull script fills the highest first.
         counts = [self.backend.num_admittable(rank) for rank in range(len(PRIORITY_CLASSES))]
-        if max(counts) <= 0:
+        # A class the engine is full of may still take one request of a tenant that runs
+        # fewer of it than another tenant: the engine preempts one of that tenant's for it
+        # (fair share of slots, worker/engine/fair_share.py).
+        extra = [0] * len(PRIORITY_CLASSES)
+        excluded: list[str] = []
+        for rank, (name, count) in enumerate(zip(PRIORITY_CLASSES, counts, strict=True)):
+            blocked = None if count > 0 else self.backend.fair_share_blocked(rank)
+            if blocked is not None:
+                extra[rank] = 1
+                excluded += [self.queue.stream(name, tenant) for tenant in blocked]
+        if max(counts) <= 0 and not any(extra):
             if block_ms is not None:
                 await asyncio.sleep(block_ms / 1000)
             return
-        entries = await self.queue.pull(self.worker_id, counts)
+        entries = await self.queue.pull(self.worker_id, counts, extra, excluded)
         if not entries and block_ms is not None and await self.queue.wait(block_ms / 1000):
-            entries = await self.queue.pull(self.worker_id, counts)
+            entries = await self.queue.pull(self.worker_id, counts, extra, excluded)
         for stream, entry_id, fields in entries:
             await self._admit(stream, entry_id, fields)
 
@@ -307,7 +319,8 @@ class Worker:
             await self._ack(held.stream, held.entry_id)
         try:
             self.backend.add_request(message.request_id, message.prompt_token_ids, message.sampling,
-                                     message.output_token_ids, priority=message.priority)
+                                     message.output_token_ids, priority=message.priority,
+                                     tenant=stream_class_tenant(self.keys, self.model, stream)[1])
         except RequestRejected as exc:
             await self._fail(message, stream, entry_id, 400, str(exc))
             return

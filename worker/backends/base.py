@@ -88,9 +88,10 @@ class EngineBackend(Protocol):
     max_model_len: int
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    output_token_ids: list[int] | None = None, priority: int = 0) -> None:
+                    output_token_ids: list[int] | None = None, priority: int = 0, tenant: str = "") -> None:
         """Queue a request (``output_token_ids``: resume after these outputs;
-        ``priority``: its class rank, lower served first; see ``GenerateRequest``).
+        ``priority``: its class rank, lower served first; see ``GenerateRequest``;
+        ``tenant``: who sent it, the tenant of its queue stream, "" unknown).
         Raises ``RequestRejected`` when it cannot run."""
 
     def abort(self, request_id: str) -> bool:
@@ -106,6 +107,13 @@ class EngineBackend(Protocol):
         """How many new requests to pull now; with ``priority``, how many of that class
         (or a higher one), counting what lower classes hold as room where the backend
         preempts them for it."""
+
+    def fair_share_blocked(self, priority: int) -> set[str] | None:
+        """When ``num_admittable(priority)`` is 0: the tenants whose next request of
+        class ``priority`` would find no slot to take, so that the worker may pull one
+        more request of another tenant, which preempts one of a tenant that runs more
+        (``worker/engine/fair_share.py``). ``None``: no tenant's would (or the backend
+        shares no slots between tenants)."""
 
     def stats(self) -> EngineStats:
         """Load snapshot for heartbeats and metrics."""

@@ -78,11 +78,12 @@ class SimBackend:
 
     # -- requests ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    output_token_ids: list[int] | None = None, priority: int = 0) -> None:
+                    output_token_ids: list[int] | None = None, priority: int = 0, tenant: str = "") -> None:
         """Queue a request; ``output_token_ids`` resumes one whose first outputs were
         already delivered (failover): they count against ``max_tokens`` and the next
         token's index (and echo position) is ``len(output_token_ids)``. ``priority``:
-        the class rank, lower served first (``GenerateRequest.priority``).
+        the class rank, lower served first (``GenerateRequest.priority``); ``tenant``
+        is ignored (the sim shares no slots between tenants: ``fair_share_blocked``).
 
         Raises:
             RequestRejected: empty or too long prompt, bad parameters, duplicate id,
@@ -118,6 +119,10 @@ class SimBackend:
         class preempts or passes the others)."""
         held = [*self._running.values(), *self._waiting]
         return max(0, self.max_num_seqs - sum(priority is None or r.priority <= priority for r in held))
+
+    def fair_share_blocked(self, priority: int) -> set[str] | None:
+        """``None``: no tenant's request preempts another's here (``EngineBackend``)."""
+        return None
 
     # -- the loop ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

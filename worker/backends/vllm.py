@@ -362,9 +362,10 @@ class VllmBackend:
 
     # -- requests ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    output_token_ids: list[int] | None = None, priority: int = 0) -> None:
+                    output_token_ids: list[int] | None = None, priority: int = 0, tenant: str = "") -> None:
         """Queue a request in vLLM; ``output_token_ids`` resumes one whose first outputs
-        were already delivered (failover); ``priority`` is vLLM's (lower served first).
+        were already delivered (failover); ``priority`` is vLLM's (lower served first);
+        ``tenant`` is ignored (vLLM shares no slots between tenants).
 
         Raises:
             RequestRejected: empty or too long prompt, bad parameters, token ids out of
@@ -423,6 +424,10 @@ class VllmBackend:
         if self._block_pool().get_num_free_blocks() <= self._num_blocks_added + num_running:
             return 0
         return max(0, self.max_num_seqs - num_running - num_waiting)
+
+    def fair_share_blocked(self, priority: int) -> set[str] | None:
+        """``None``: no tenant's request preempts another's here (``EngineBackend``)."""
+        return None
 
     # -- the loop ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -17,6 +17,7 @@ from shared.settings import EngineSettings, ModelSettings
 from worker.backends.base import EngineStats, RequestOutput, RequestRejected, check_request
 from worker.engine.block_manager import BlockManager
 from worker.engine.draft_proposer import DraftProposer, draft_num_blocks, load_draft_model
+from worker.engine.kv_calibration import kv_calibration_ids
 from worker.engine.model_runner import DecodeLaunch, ModelRunner, decode_inputs, kv_cache_dtype
 from worker.engine.request import Request
 from worker.engine.scheduler import Scheduler, SchedulerOutput
@@ -106,7 +107,8 @@ class LLMEngine:
         num_blocks = num_kv_blocks(model.shard_config, es, self.dtype, self.device,
                                    draft.config if draft is not None else None)
         self.runner = ModelRunner(model, self.engine_settings, num_blocks, self.max_model_len, self.dtype,
-                                  self.device, model_settings.seed)
+                                  self.device, model_settings.seed,
+                                  kv_calibration_ids(source, es, self.model_config.vocab_size, self.max_model_len))
         num_blocks = self.runner.num_blocks  # the group's, under tensor parallelism
         self.scheduler = Scheduler(BlockManager(num_blocks, self.engine_settings.block_size,
                                                 self.engine_settings.enable_prefix_caching,
@@ -136,12 +138,13 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    output_token_ids: list[int] | None = None, priority: int = 0) -> None:
+                    output_token_ids: list[int] | None = None, priority: int = 0, tenant: str = "") -> None:
         """Queue a request; ``output_token_ids`` resumes one whose first outputs were
         already delivered (failover): they count against ``max_tokens`` and the next
         token's index is ``len(output_token_ids)``. ``priority`` is its class rank
         (``GenerateRequest.priority``, lower served first; the scheduler admits in
         class order and preempts running requests of a lower class to fit it).
+        ``tenant``: who sent it (the scheduler shares a class's slots between tenants).
 
         A structured output (``sampling.structured``) gets its grammar matcher here, from
         the compiled-grammar cache, advanced past ``output_token_ids``. Prompt logprobs
@@ -164,7 +167,7 @@ class LLMEngine:
             grammar = None if sampling.structured is None else self.grammars.matcher(sampling.structured, outputs)
             wants_prompt_logprobs = sampling.prompt_logprobs is not None and not outputs
             self.scheduler.add(Request(request_id, list(prompt_token_ids), sampling, self.eos_token_ids,
-                                       priority=priority, token_ids=all_ids, grammar=grammar,
+                                       priority=priority, tenant=tenant, token_ids=all_ids, grammar=grammar,
                                        prompt_logprobs=[] if wants_prompt_logprobs else None))
         except ValueError as exc:  # InvalidGrammar, or the scheduler's checks
             raise RequestRejected(str(exc)) from exc
@@ -191,6 +194,11 @@ class LLMEngine:
         """How many new requests (of class ``priority`` or higher, when given) the worker
         may pull now (``Scheduler.num_admittable``)."""
         return self.scheduler.num_admittable(priority)
+
+    def fair_share_blocked(self, priority: int) -> set[str] | None:
+        """Tenants whose next request of class ``priority`` would find no slot to claim
+        in a full engine (``Scheduler.fair_share_blocked``); ``None``: every tenant's."""
+        return self.scheduler.fair_share_blocked(priority)
 
     # -- the loop ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

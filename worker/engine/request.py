@@ -57,6 +57,8 @@ class Request:
     asked, a failover continuation, or already delivered with its first token).
     ``priority``: the class rank (``GenerateRequest.priority``), lower served first; the
     scheduler keeps its queues in class order and preempts for a lower number only.
+    ``tenant``: who sent it (``shared/fair_queue.py``'s stream tenant; "" unknown): within
+    a class, the scheduler shares sequence slots between tenants (``Scheduler``).
     ``spec_token_ids``: draft tokens proposed for the next step (speculative decoding,
     ``worker/engine/spec_decode.py``), not part of ``token_ids``; ``[]``: none.
     """
@@ -67,6 +69,7 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     arrival_s: float = field(default_factory=time.monotonic)
     priority: int = 0
+    tenant: str = ""
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

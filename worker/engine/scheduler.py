@@ -22,7 +22,9 @@ never one of its own class, so with one class this is plain FCFS. While a reques
 higher class than some running one waits or is mid-prefill, the step carries only its
 class and the higher ones (``_priority_floor``): the lower classes' decodes pause for
 that step (they keep their blocks), so its prefill runs in a short step, at most
-``MAX_PRIORITY_PAUSES`` steps in a row.
+``MAX_PRIORITY_PAUSES`` steps in a row. Within a class, sequence slots are shared between
+tenants (``Request.tenant``; ``worker/engine/fair_share.py``): a waiting request whose
+tenant runs two fewer than another tenant preempts that tenant's youngest, one per step.
 
 The scheduler owns the block manager: the engine asks it, not the block manager, how
 many requests to admit (``num_admittable``) and whether a decode step may follow one
@@ -39,6 +41,7 @@ from dataclasses import dataclass, field
 
 from worker.backends.base import EngineStats
 from worker.engine.block_manager import BlockManager
+from worker.engine.fair_share import blocked_tenants, claim_victim
 from worker.engine.request import Request, RequestStatus
 
 #: The prefill cap's floor (``Scheduler._prefill_budget``), tokens: a step of this many
@@ -231,10 +234,13 @@ class Scheduler:
         # preempted nothing this step: a cache that just ran out would thrash otherwise.
         # One whose next block a running request is computing waits a step (``_defer``)
         # and lets later ones pass. One that finds no slot or blocks preempts running
-        # requests of a lower class (``_preempt_for``); after that only classes above
-        # every request preempted so far are admitted, so no victim comes straight back.
+        # requests of a lower class (``_preempt_for``), or for a slot one of its class from
+        # a tenant that runs two more (``_preempt_for_tenant``); after that only classes
+        # above every request preempted so far are admitted, so no victim comes straight back.
         if out.preempted:
             return out
+        no_claim: set[str] = set()  # tenants whose waiting request found no slot to take
+        claimants: set[str] | None = None  # tenants that may take a slot (``_claimants``)
         i = 0
         while i < len(self.waiting) and min(budget, prefill_budget) > 0:
             request = self.waiting[i]
@@ -242,6 +248,9 @@ class Scheduler:
                 break
             if request.priority > floor:
                 break  # its class's decodes pause this step: it would only lengthen it
+            if request.tenant in no_claim:
+                i += 1
+                continue
             # A request that asks for prompt logprobs computes every prompt position: a
             # cached block has no logits (vLLM v1 skips the lookup too).
             cached = [] if request.prompt_logprobs is not None else bm.find_cached_prefix(request)
@@ -250,9 +259,20 @@ class Scheduler:
                 continue
             if len(self.running) >= self.max_num_seqs:
                 refund = self._preempt_for(request, out)
+                if refund is None and request.tenant not in no_claim:
+                    refund = self._preempt_for_tenant(request, out)
                 if refund is None:
-                    break
+                    # Only a preemption admits anything now; a later request of another
+                    # tenant may still claim a slot (each tenant is looked at once).
+                    no_claim.add(request.tenant)
+                    if claimants is None:
+                        claimants = self._claimants()
+                    if claimants <= no_claim:
+                        break  # no later request can take a slot either (a long queue offline)
+                    i += 1
+                    continue
                 budget += refund
+                i = self.waiting.index(request)  # a victim of its class went back ahead of it
             bm.allocate_prefix(request, cached)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget, prefill_budget)
             fits = bm.can_allocate(request, num_new)
@@ -388,6 +408,8 @@ class Scheduler:
             return False
         if self.waiting and self.running and self.waiting[0].priority < self.running[-1].priority:
             return False  # it may preempt a running request of a lower class
+        if self.waiting and self._claimants():
+            return False  # it may preempt one of another tenant's (fair share of slots)
         if any(r.status != RequestStatus.RUNNING or r.num_output_tokens + 1 >= r.sampling.max_tokens
                for r in requests):
             return False
@@ -461,7 +483,11 @@ class Scheduler:
         """
         if not self.running or self.running[-1].priority <= request.priority:
             return None
-        victim = self.running[-1]
+        return self._preempt_in(self.running[-1], out)
+
+    def _preempt_in(self, victim: Request, out: SchedulerOutput) -> int:
+        """Preempt ``victim`` during the step ``out``, taking it out of ``out`` if it is
+        scheduled there; returns its tokens scheduled there (0 if none)."""
         self._preempt(victim)
         out.preempted.append(victim)
         for k, item in enumerate(out.scheduled):
@@ -469,6 +495,30 @@ class Scheduler:
                 del out.scheduled[k]
                 return item.num_tokens
         return 0
+
+    def _preempt_for_tenant(self, request: Request, out: SchedulerOutput) -> int | None:
+        """Preempt the running request that the waiting ``request`` may take the slot of
+        (``fair_share.claim_victim``: same class, another tenant that runs at least two
+        more); a victim already scheduled in ``out`` is taken out of it. Returns as
+        ``_preempt_for``: the victim's tokens scheduled in ``out``, or ``None`` (nothing
+        was preempted)."""
+        victim = claim_victim(self.running, request)
+        return None if victim is None else self._preempt_in(victim, out)
+
+    def _claimants(self) -> set[str]:
+        """The tenants with a waiting request that may preempt another tenant's running
+        request of its class for a slot (``fair_share.claim_victim``; each tenant's first
+        waiting request of each class is asked)."""
+        firsts: dict[tuple[str, int], Request] = {}
+        for r in self.waiting:
+            firsts.setdefault((r.tenant, r.priority), r)
+        return {tenant for (tenant, _), r in firsts.items() if claim_victim(self.running, r) is not None}
+
+    def fair_share_blocked(self, priority: int) -> set[str] | None:
+        """For the worker's pull when the engine is full (``num_admittable(priority) ==
+        0``): the tenants whose next request of class ``priority`` would find no slot to
+        claim (``fair_share.blocked_tenants``); ``None``: every tenant's would find none."""
+        return blocked_tenants(self.running, self.waiting, priority)
 
     def _release(self, request: Request) -> None:
         """Free a waiting request's blocks; it recomputes (or re-finds cached) from 0."""

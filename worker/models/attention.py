@@ -2,8 +2,9 @@
 the backend that writes new K/V and attends (PyTorch reference, CPU kernel or Triton).
 
 With an fp8 cache (``--kv-cache-dtype fp8``) the backend quantizes on write and
-dequantizes on read with its ``k_scale``/``v_scale``: 1.0 for every layer, vLLM's default
-without calibration (see docs/operations.md, "FP8 KV cache")."""
+dequantizes on read with the layer's ``KVQuant`` (its K bias and K/V scales, calibrated at
+load: ``worker/engine/kv_calibration.py``); without one, scales of 1.0 and no bias, vLLM's
+default without calibration (see docs/operations.md, "FP8 KV cache")."""
 
 from __future__ import annotations
 
@@ -18,11 +19,37 @@ from kernels.paged_attention import paged_attention_ref
 
 log = logging.getLogger(__name__)
 
-#: Per-tensor scales of an fp8 KV cache, the same for every layer: entries are ``x / scale``.
-#: 1.0 as vLLM without calibration: K and V of the Llama-family models we serve stay far
-#: inside e4m3's ±448 (SmolLM2-135M, 2,000 tokens: max |K| 33.5, max |V| 14.9, measured by
-#: bench/fp8_kv_quality.py), and a fixed value needs no calibration pass or graph recapture.
+#: Per-tensor scale of an fp8 KV cache layer that has no ``KVQuant``: entries are
+#: ``x / scale``. 1.0 as vLLM without calibration: K and V of the Llama-family models we
+#: serve stay far inside e4m3's ±448 (SmolLM2-135M, 2,000 tokens: max |K| 33.5, max |V| 14.9,
+#: measured by bench/fp8_kv_quality.py).
 DEFAULT_KV_SCALE = 1.0
+
+
+@dataclass(slots=True)
+class KVQuant:
+    """How one layer's keys and values are encoded in an fp8 KV cache: entries are
+    ``(k - k_bias) / k_scale`` and ``v / v_scale`` (``kernels/kv_cache_write.py``); readers
+    multiply by the scales and never add the bias back (exact for softmax attention).
+
+    Every key of every request in a layer has the same bias and scale, so blocks written by
+    one request are valid for any other (prefix caching) and a recomputed block equals the
+    first. Set once at load, before CUDA-graph capture (the graphs hold the scales as
+    kernel arguments and ``k_bias``'s address), and never changed while the cache holds data.
+
+    Fields:
+        k_bias: ``[num_kv_heads, head_dim]`` float32 on the model's device, written in place.
+        k_scale, v_scale: per-tensor scales (floats > 0).
+    """
+
+    k_bias: torch.Tensor
+    k_scale: float = DEFAULT_KV_SCALE
+    v_scale: float = DEFAULT_KV_SCALE
+
+    @classmethod
+    def identity(cls, num_kv_heads: int, head_dim: int, device: torch.device) -> KVQuant:
+        """No bias (zeros, allocated here for calibration to fill) and scales of 1.0."""
+        return cls(torch.zeros(num_kv_heads, head_dim, dtype=torch.float32, device=device))
 
 
 @dataclass(slots=True)
@@ -76,11 +103,10 @@ class TorchAttentionBackend:
 
     name = "torch"
     fused_ops: frozenset[str] = frozenset()  # the model runs its plain PyTorch ops
-    k_scale = v_scale = DEFAULT_KV_SCALE  # fp8 cache only
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                 scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                 scale: float, sliding_window: int | None = None, kv_quant: KVQuant | None = None) -> torch.Tensor:
         """Write ``k, v`` (``[T, num_kv_heads, head_dim]``) to the cache, then attend
         with ``q`` (``[T, num_heads, head_dim]``); returns ``[T, num_heads, head_dim]``.
 
@@ -88,15 +114,20 @@ class TorchAttentionBackend:
         window): the query at position ``p`` sees keys ``p - w < k <= p`` only, as
         transformers masks them; see ``kernels/paged_attention.py``.
 
+        ``kv_quant``: the layer's fp8 encoding (``KVQuant``), fp8 caches only; ``None``:
+        scales of 1.0 and no bias.
+
         Raises:
             ValueError: bad shapes or dtypes, or a ``sliding_window`` that is not ``None``
                 or a positive int.
         """
-        kv_cache_write_ref(k, v, k_cache, v_cache, meta.slot_mapping, meta.has_padding, self.k_scale, self.v_scale)
+        k_scale, v_scale, k_bias = _encoding(kv_quant)
+        kv_cache_write_ref(k, v, k_cache, v_cache, meta.slot_mapping, meta.has_padding, k_scale, v_scale, k_bias)
+        # With an fp8 cache the reference reads K back from it (biased), never this ``k``.
         return paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                    meta.seq_lens, scale, query_lens_cpu=meta.query_lens_cpu,
                                    seq_lens_cpu=meta.seq_lens_cpu, key=k, value=v, sliding_window=sliding_window,
-                                   k_scale=self.k_scale, v_scale=self.v_scale)
+                                   k_scale=k_scale, v_scale=v_scale)
 
 
 class CpuAttentionBackend:
@@ -109,8 +140,10 @@ class CpuAttentionBackend:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                 scale: float, sliding_window: int | None = None) -> torch.Tensor:
-        """Same contract as ``TorchAttentionBackend.__call__``."""
+                 scale: float, sliding_window: int | None = None, kv_quant: KVQuant | None = None) -> torch.Tensor:
+        """Same contract as ``TorchAttentionBackend.__call__``; no fp8 cache, so ``kv_quant``
+        is always ``None`` (``select_backend`` refuses this backend with fp8)."""
+        assert kv_quant is None, "the cpu attention backend has no fp8 KV cache"
         kv_cache_write_ref(k, v, k_cache, v_cache, meta.slot_mapping, meta.has_padding)
         out = torch.empty_like(q)
         index = decode_index(meta)
@@ -133,7 +166,6 @@ class TritonAttentionBackend:
     #: "rmsnorm" (residual add + RMSNorm), "rotary", "silu_mul". An instance attribute
     #: so that benchmarks can compare subsets (recapture CUDA graphs after a change).
     ALL_FUSED_OPS = frozenset({"rmsnorm", "rotary", "silu_mul"})
-    k_scale = v_scale = DEFAULT_KV_SCALE  # fp8 cache only
 
     def __init__(self, fused_ops: frozenset[str] | None = None) -> None:
         self.fused_ops = self.ALL_FUSED_OPS if fused_ops is None else frozenset(fused_ops)
@@ -145,12 +177,20 @@ class TritonAttentionBackend:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                 scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                 scale: float, sliding_window: int | None = None, kv_quant: KVQuant | None = None) -> torch.Tensor:
         """Same contract as ``TorchAttentionBackend.__call__``."""
-        self._write(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        k_scale, v_scale, k_bias = _encoding(kv_quant)
+        self._write(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale, k_bias)
         return self._attend(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                             scale, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
-                            sliding_window=sliding_window, k_scale=self.k_scale, v_scale=self.v_scale)
+                            sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale)
+
+
+def _encoding(kv_quant: KVQuant | None) -> tuple[float, float, torch.Tensor | None]:
+    """``(k_scale, v_scale, k_bias)`` of a layer's ``KVQuant``; 1.0, 1.0, ``None`` without one."""
+    if kv_quant is None:
+        return DEFAULT_KV_SCALE, DEFAULT_KV_SCALE, None
+    return kv_quant.k_scale, kv_quant.v_scale, kv_quant.k_bias
 
 
 AttentionBackend = TorchAttentionBackend | CpuAttentionBackend | TritonAttentionBackend

@@ -37,7 +37,7 @@ from kernels.fused_add_rms_norm import fused_add_rms_norm
 from kernels.rotary import apply_rotary, rotary_rows
 from kernels.rotary import rotary as rotary_fused
 from kernels.silu_and_mul import silu_and_mul
-from worker.models.attention import AttentionBackend, AttentionMetadata
+from worker.models.attention import AttentionBackend, AttentionMetadata, KVQuant
 from worker.models.config import ModelConfig
 from worker.models.linear import (
     Linear,
@@ -154,6 +154,9 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset) if cfg.qk_norm else None
+        # fp8 KV cache only: this layer's K bias and K/V scales, set at load by
+        # worker/engine/kv_calibration.py (None: scales of 1.0, no bias).
+        self.kv_quant: KVQuant | None = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, kv_cache: KVCache,
                 meta: AttentionMetadata, backend: AttentionBackend,
@@ -166,11 +169,12 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm.norm(q), self.k_norm.norm(k)
         q, k = rotary(positions, q, k, "rotary" in backend.fused_ops, rope)
+        fp8 = {} if self.kv_quant is None else {"kv_quant": self.kv_quant}
         if self.window is None:
-            o = backend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+            o = backend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, **fp8)
         else:
             o = backend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,  # type: ignore[call-arg]
-                        sliding_window=self.window)
+                        sliding_window=self.window, **fp8)
         return self.o_proj(o.reshape(t, self.q_size))
 
 

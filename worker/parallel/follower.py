@@ -54,6 +54,7 @@ def follower_main(rank: int, world_size: int, port: int, device: torch.device, s
     if parent is not None:  # rank 0 gone (even SIGKILLed): so are we
         tp_group.watch(threading.Event(), [parent.sentinel], tp_group.exit_now)
     from worker.engine.engine import cpu_threads, num_kv_blocks, resolve_dtype
+    from worker.engine.kv_calibration import kv_calibration_ids
     from worker.engine.model_runner import ModelRunner
     from worker.models.config import ModelConfig
     from worker.models.loader import build_model
@@ -67,7 +68,8 @@ def follower_main(rank: int, world_size: int, port: int, device: torch.device, s
     model = build_model(cfg, source.path, source.dummy, dtype, group.device, max_len, model_settings.seed)
     # Sized from this rank's shard; ModelRunner takes the group's smallest count.
     num_blocks = num_kv_blocks(model.shard_config, engine_settings, dtype, group.device)
-    runner = ModelRunner(model, engine_settings, num_blocks, max_len, dtype, group.device, model_settings.seed)
+    runner = ModelRunner(model, engine_settings, num_blocks, max_len, dtype, group.device, model_settings.seed,
+                         kv_calibration_ids(source, engine_settings, cfg.vocab_size, max_len))  # as rank 0's
     sync = StepSync(group.group, group.device, cfg.hidden_size, dtype)
     log.info("rank %d of %d ready (%s)", rank, world_size, group.device)
     serve(runner, sync)
