@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import Receive, Scope, Send
 
 from gateway.admission import Enqueuer, QueueDepthReader
 from gateway.batches import install_batch_routes
@@ -45,6 +46,7 @@ from gateway.rate_limits import RateLimiter
 from gateway.readiness import Readiness, readiness
 from gateway.relay import Relay
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.sse import SERVER_SEND_KEY
 from gateway.state import GatewayState
 from gateway.stats import install_stats_route
 from gateway.tasks import BackgroundTasks
@@ -80,6 +82,17 @@ def load_tokenizer(source: ModelSource) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(source.path)
+
+
+class GatewayApp(FastAPI):
+    """FastAPI that keeps the server's own ``send`` in each HTTP request's scope
+    (``gateway.sse.SERVER_SEND_KEY``), so a stream's body writes skip the exception
+    middlewares' ``send`` wrappers (one write per token and stream; gateway/sse.py)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope[SERVER_SEND_KEY] = send
+        await super().__call__(scope, receive, send)
 
 
 def create_app(gateway: GatewaySettings, redis: RedisSettings, model: ModelSettings, source: ModelSource,
@@ -130,7 +143,7 @@ def create_app(gateway: GatewaySettings, redis: RedisSettings, model: ModelSetti
             state.tokenizer.close()
             await client.aclose()
 
-    app = FastAPI(title="inferq", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = GatewayApp(title="inferq", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.metrics = metrics
     app.state.gateway_id = secrets.token_hex(8)  # names this process's reply channel
     install_error_handlers(app)

@@ -17,8 +17,9 @@ and repeat; greedy choices are identical.
   request's priority class and tenant (``shared/fair_queue.py``).
 - Response: one body, choices in index order; ``usage`` counts each prompt's tokens once
   and every child's output tokens. A stream merges the children's steps as they arrive,
-  each chunk with its choice's index; an error in any child ends the stream (error
-  event, ``[DONE]``), and every child closes (aborted if its worker still runs it).
+  each chunk with its choice's index (gateway/sse.py); an error in any child ends the
+  stream (error event, ``[DONE]``), and every child closes (aborted if its worker still
+  runs it).
 - ``echo`` (completions): each choice's text starts with its prompt's text; with
   ``logprobs``, the prompt tokens' logprobs (``TokenOutput.prompt_logprobs``) come first.
   ``echo`` with ``max_tokens: 0`` (``Choice.prompt_only``): the worker runs one step
@@ -32,13 +33,13 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from gateway.admission import check_queue
 from gateway.errors import OpenAIError
@@ -46,7 +47,7 @@ from gateway.generation import ClientDisconnected, Generation
 from gateway.logprobs import LogprobsFormatter, join_completion_logprobs
 from gateway.output import OutputProcessor, Step
 from gateway.request_ids import releasing, wire_request_id
-from gateway.responses import DONE_EVENT, ResponseShape, sse_event, usage
+from gateway.responses import ResponseShape, usage
 from gateway.state import GatewayState
 from gateway.tool_parser import ToolCallStream, parse_tool_calls
 from shared.fair_queue import DEFAULT_CLASS, class_rank
@@ -208,6 +209,9 @@ class Choice:
         """The SSE events of steps of this choice: chunks as text becomes final (each with
         the logprobs of its tokens when asked; not beside tool-call parsing; the echoed
         prompt before the first), then its finish_reason chunk."""
+        if self.logprobs is None and self.echo is None and self.tool_calls is None and not self.prompt_only:
+            chunk_event = self.shape.chunk_event  # the common case: text chunks only
+            return b"".join([chunk_event(s.text, s.finish_reason) for s in steps])
         if self.tool_calls is not None:
             return b"".join([_tool_step_events(self.shape, self.tool_calls, s.text, s.finish_reason) for s in steps])
         if self.prompt_only:
@@ -235,28 +239,13 @@ class Choice:
         return b"".join(out)
 
 
-class ChoicesStream(StreamingResponse):
-    """A streaming response that always closes its children, even when the client
-    leaves before the body iterator starts (then its ``finally`` never runs)."""
-
-    def __init__(self, choices: list[Choice], content: AsyncIterator[bytes], **kwargs: Any) -> None:
-        super().__init__(content, **kwargs)
-        self._choices = choices
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            close_all(self._choices)
-
-
 def close_all(choices: list[Choice]) -> None:
     """Close every child (unregister, abort where its worker still runs it). Idempotent."""
     for c in choices:
         c.gen.close()
 
 
-def _fail_siblings(choices: list[Choice], error: OpenAIError) -> None:
+def fail_siblings(choices: list[Choice], error: OpenAIError) -> None:
     """One child failed: the others end with the same error (so their aborts and
     metrics say why)."""
     for c in choices:
@@ -274,7 +263,7 @@ async def full_response(choices: list[Choice], num_prompt_tokens: int, headers: 
     try:
         texts = await _results(choices)
     except OpenAIError as exc:
-        _fail_siblings(choices, exc)
+        fail_siblings(choices, exc)
         return exc.response()
     except ClientDisconnected:
         return Response(status_code=499)
@@ -296,83 +285,6 @@ async def _results(choices: list[Choice]) -> list[str]:
             if task.done() and task.exception() is not None:
                 raise task.exception()  # type: ignore[misc]
         return [task.result() for task in tasks]
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-async def stream_events(choices: list[Choice], num_prompt_tokens: int, include_usage: bool) -> AsyncIterator[bytes]:
-    """SSE body: each chat choice's role chunk, then the children's chunks as they
-    arrive (``Choice.step_events``; steps that arrived while the previous write was
-    under way go out in one write), the usage chunk when asked, then ``[DONE]``. An
-    error in any child is an ``{"error": ...}`` event then ``[DONE]``. Cancellation
-    (client gone) closes every child, which aborts it."""
-    try:
-        firsts = [c.shape.first_chunk() for c in choices]
-        if firsts[0] is not None:
-            yield b"".join([sse_event(f) for f in firsts if f is not None])
-        async for batch in _merged_updates(choices):
-            yield b"".join([choice.step_events(steps) for choice, steps in batch])
-        usage_event = b""
-        if include_usage:
-            usage_event = sse_event(choices[0].shape.usage_chunk(usage(num_prompt_tokens, num_output_tokens(choices))))
-        yield usage_event + DONE_EVENT
-    except OpenAIError as exc:
-        _fail_siblings(choices, exc)
-        yield sse_event(exc.body())
-        yield DONE_EVENT
-    except Exception as exc:
-        log.exception("stream of %s failed", choices[0].gen.request_id)
-        error = OpenAIError(500, f"internal error: {type(exc).__name__}")
-        _fail_siblings(choices, error)
-        yield sse_event(error.body())
-        yield DONE_EVENT
-    finally:
-        close_all(choices)
-
-
-_Update = tuple[Choice, list[Step] | None, BaseException | None]
-
-
-async def _merged_updates(choices: list[Choice]) -> AsyncIterator[list[tuple[Choice, list[Step]]]]:
-    """The children's steps as they arrive, in batches of what arrived meanwhile, until
-    every child's output is over. Raises the first child's error (after the steps
-    delivered before it)."""
-    if len(choices) == 1:  # the common case: no task, no queue
-        choice = choices[0]
-        async for steps in choice.gen.updates():
-            yield [(choice, steps)]
-        return
-    queue: asyncio.Queue[_Update] = asyncio.Queue()
-
-    async def pump(choice: Choice) -> None:
-        try:
-            async for steps in choice.gen.updates():
-                queue.put_nowait((choice, steps, None))
-        except Exception as exc:  # noqa: BLE001 - handed to the stream, which reports it
-            queue.put_nowait((choice, None, exc))
-            return
-        queue.put_nowait((choice, None, None))
-
-    tasks = [asyncio.ensure_future(pump(c)) for c in choices]
-    try:
-        num_open = len(choices)
-        while num_open:
-            updates = [await queue.get()]
-            while not queue.empty():
-                updates.append(queue.get_nowait())
-            batch = []
-            for choice, steps, error in updates:
-                if error is not None:
-                    if batch:
-                        yield batch
-                    raise error
-                if steps is None:
-                    num_open -= 1
-                else:
-                    batch.append((choice, steps))
-            if batch:
-                yield batch
     finally:
         for task in tasks:
             task.cancel()

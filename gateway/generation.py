@@ -13,9 +13,9 @@ prefix is trimmed. One above it means tokens were lost: the request fails (500) 
 than return text with a hole. Entries of an attempt older than ``attempt`` (replaced by
 a failover continuation) are dropped.
 
-Timers: one per request (its deadline), none per token. A non-streaming request's
-handler wakes only when the output is over, and polls its client every
-``DISCONNECT_POLL_S`` meanwhile.
+Timers: one per request (its deadline), none per token. A streaming request's handler
+wakes once per batch of steps (one bare future, ``wait``), a non-streaming one only when
+the output is over, and polls its client every ``DISCONNECT_POLL_S`` meanwhile.
 """
 
 from __future__ import annotations
@@ -73,10 +73,11 @@ class Generation:
         #: The prompt tokens' logprobs (``TokenOutput.prompt_logprobs``: entry ``i`` scores
         #: prompt token ``i + 1``), from the first entry, when the request asked for them.
         self.prompt_logprobs: list[TokenLogprobs] | None = None
-        # Delivery: steps not yet taken by the handler; ``_ready`` is set when there are
-        # some (streams) or when the output is over (``_over``: finished or failed).
+        # Delivery: steps not yet taken by the handler; ``_waiter`` (the handler waiting in
+        # ``wait``) is woken when there are some (streams), when the output is over
+        # (``_over``: finished or failed) and on ``close``.
         self._steps: list[Step] = []
-        self._ready = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None
         self._over = False
         self._deadline: asyncio.TimerHandle | None = None
         self._closed = False
@@ -165,18 +166,62 @@ class Generation:
             self.finish_reason, self.stop_string = step.finish_reason, step.stop_string
             self._end()
         elif (step.text or step.logprobs) and self._is_disconnected is None:
-            self._ready.set()
+            self._wake()
 
     def _end(self) -> None:
         self._over = True
-        self._ready.set()
+        self._wake()
         if self._deadline is not None:
             self._deadline.cancel()
 
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
     # -- the handler side ---------------------------------------------------------------
+    @property
+    def over(self) -> bool:
+        """True once the output is finished or failed (``error``)."""
+        return self._over
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close`` ran."""
+        return self._closed
+
+    def take_steps(self) -> list[Step]:
+        """The steps delivered since the last call (a stream's handler; empty when none)."""
+        steps, self._steps = self._steps, []
+        return steps
+
+    async def wait(self) -> None:
+        """Wait until steps are delivered (streams), the output is over or the record is
+        closed; returns at once when steps are queued or it is over or closed already."""
+        if self._steps or self._over or self._closed:
+            return
+        waiter = self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await waiter
+        finally:
+            if self._waiter is waiter:
+                self._waiter = None
+
+    async def _wait_over(self) -> None:
+        while not self._over:
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                if self._waiter is waiter:
+                    self._waiter = None
+
     async def updates(self) -> AsyncIterator[list[Step]]:
         """Yield the steps delivered since the last yield (at least one each time),
-        until the output is over; the last step has ``finish_reason``.
+        until the output is over (the last step has ``finish_reason``) or the record is
+        closed (the client left: it ends early).
 
         Raises:
             OpenAIError: worker error (its status), 500 for an aborted request or lost
@@ -184,15 +229,14 @@ class Generation:
                 steps delivered before it).
         """
         while True:
-            if not self._steps and not self._over:
-                self._ready.clear()
-                await self._ready.wait()
+            await self.wait()
             if self._steps:
-                steps, self._steps = self._steps, []
-                yield steps
+                yield self.take_steps()
             elif self._over:
                 if self.error is not None:
                     raise self.error
+                return
+            elif self._closed:
                 return
 
     async def result(self) -> str:
@@ -204,7 +248,7 @@ class Generation:
         """
         while not self._over:
             try:
-                await asyncio.wait_for(self._ready.wait(), DISCONNECT_POLL_S)
+                await asyncio.wait_for(self._wait_over(), DISCONNECT_POLL_S)
             except TimeoutError:
                 if self._is_disconnected is not None and await self._is_disconnected():
                     raise ClientDisconnected() from None
@@ -225,6 +269,7 @@ class Generation:
             self._closed = True
             if self._deadline is not None:
                 self._deadline.cancel()
+            self._wake()
             self._on_close(self)
 
     @property

@@ -22,7 +22,7 @@ import time
 from fastapi import Request
 from fastapi.responses import Response
 
-from gateway.choices import Choice, ChoicesStream, full_response, stream_events, submit
+from gateway.choices import Choice, full_response, submit
 from gateway.errors import OpenAIError
 from gateway.logprobs import LogprobsFormatter
 from gateway.priority import request_class
@@ -35,6 +35,7 @@ from gateway.schemas import (
     CompletionRequest,
     parse_body,
 )
+from gateway.sse import ChoicesStream
 from gateway.state import GatewayState
 from gateway.tenants import bearer_token, tenant_of
 from gateway.tokenize import check_prompt_tokens
@@ -176,8 +177,7 @@ async def handle_generate(state: GatewayState, request: Request, *, chat: bool) 
     num_prompt_tokens = sum(len(p) for p in prompts)  # each prompt once, however many choices share it
     headers = {"X-Request-Id": request_id, **rate_headers}
     if req.stream:
-        return ChoicesStream(choices, stream_events(choices, num_prompt_tokens, req.include_usage),
-                             media_type="text/event-stream",
+        return ChoicesStream(choices, num_prompt_tokens, req.include_usage,
                              headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     return await full_response(choices, num_prompt_tokens, headers)
 

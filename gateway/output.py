@@ -63,6 +63,9 @@ class OutputProcessor:
     def _process(self, token_ids: Sequence[int], finish_reason: str | None) -> Step:
         assert not self.finished, "output already finished"
         self._num_consumed = len(token_ids)
+        if finish_reason is None and len(token_ids) == 1 and not self._stop.stops:
+            self.num_output_tokens += 1  # the common case: one token a step, released at once
+            return Step(self._detok.add(token_ids[0]))
         parts: list[str] = []
         last = len(token_ids) - 1
         for i, token_id in enumerate(token_ids):

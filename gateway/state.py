@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 
 from gateway.admission import Enqueuer, QueueDepthReader
 from gateway.generation import Generation
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import GatewayMetrics, observe_many
 from gateway.rate_limits import RateLimiter
 from gateway.relay import Relay
 from gateway.tasks import BackgroundTasks
@@ -82,9 +82,7 @@ class GatewayState:
         ttft_s = None if gen.first_token_s is None else gen.first_token_s - gen.arrival_s
         if ttft_s is not None:
             m.time_to_first_token.labels(name).observe(ttft_s)
-        inter_token_latency = m.inter_token_latency.labels(name)
-        for gap_s in gen.token_gaps_s:
-            inter_token_latency.observe(gap_s)
+        observe_many(m.inter_token_latency.labels(name), gen.token_gaps_s)
         if gen.finish_reason is not None:
             m.request_success.labels(name, gen.finish_reason).inc()
             m.observe_finished(ttft_s, time.monotonic() - gen.arrival_s, gen.num_output_tokens)

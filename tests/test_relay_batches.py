@@ -233,12 +233,17 @@ async def test_a_non_streaming_request_wakes_once_at_the_end(smollm_tokenizer) -
     r = Requests(smollm_tokenizer)
     gen = r.add("whole", streaming=False)
     paris = r.ids(" Paris is the capital")
+    result = asyncio.ensure_future(gen.result())
+    for _ in range(10):  # result() -> wait_for's task -> the waiter
+        await asyncio.sleep(0)
+    waiter = gen._waiter  # the handler's one future
+    assert waiter is not None
     for i, token_id in enumerate(paris):
         r.send(out("whole", i, [token_id]))
-        assert not gen._ready.is_set()  # tokens do not wake the handler
+        assert not waiter.done()  # tokens do not wake the handler
     r.send(out("whole", len(paris), [smollm_tokenizer.eos_token_id], "stop"))
-    assert gen._ready.is_set()
-    assert await gen.result() == " Paris is the capital"
+    assert waiter.done()
+    assert await result == " Paris is the capital"
 
 
 async def _never_disconnected() -> bool:
