@@ -66,8 +66,8 @@ async def ttft_s(client: Any, url: str, headers: dict[str, str], max_tokens: int
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
         async for line in resp.aiter_lines():
-            if line.startswith("data:") and '"error"' in line:
-                raise RuntimeError(line[:200])
+            if line.startswith("data:") and line[5:].strip() != "[DONE]" and "error" in json.loads(line[5:]):
+                raise RuntimeError(line[:200])  # an error event (a token's text may be "error")
             if first_s is None and line.startswith("data:") and '"text"' in line:
                 first_s = time.perf_counter() - start_s
     assert first_s is not None, "no content"

@@ -202,21 +202,20 @@ class Generation:
         closed; returns at once when steps are queued or it is over or closed already."""
         if self._steps or self._over or self._closed:
             return
+        await self._next_wake()
+
+    async def _wait_over(self) -> None:
+        while not self._over:
+            await self._next_wake()
+
+    async def _next_wake(self) -> None:
+        """Wait for the next wake-up: a delivery, the end of the output, or ``close``."""
         waiter = self._waiter = asyncio.get_running_loop().create_future()
         try:
             await waiter
         finally:
             if self._waiter is waiter:
                 self._waiter = None
-
-    async def _wait_over(self) -> None:
-        while not self._over:
-            waiter = self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await waiter
-            finally:
-                if self._waiter is waiter:
-                    self._waiter = None
 
     async def updates(self) -> AsyncIterator[list[Step]]:
         """Yield the steps delivered since the last yield (at least one each time),
