@@ -3,7 +3,8 @@
 Perplexity of SmolLM2-135M-Instruct (real weights, float32) on a fixed ~2,000-token
 text, scored in one prefill through prompt logprobs, with a float32 KV cache and with an
 fp8 one as served: each layer's mean key subtracted before the write and K/V scales of
-``amax / 448``, calibrated at load on the engine's built-in text
+1.0 unless values come near e4m3's 448 (``KV_SCALE_HEADROOM``), calibrated at load on the
+engine's built-in text
 (``worker/engine/kv_calibration.py``, not this text); the reference attention reads the
 quantized cache back (``kernels/paged_attention.py``). Also records the largest |K| and
 |V| written to the float32 cache.

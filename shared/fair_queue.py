@@ -153,41 +153,34 @@ local function read(stream, count)
   return r[1][2]
 end
 local out = {}
+-- One entry of class c's ``stream`` for the consumer, its cost added to the stream's
+-- counter; a stream with nothing undelivered leaves the active set. True when one was taken.
+local function take(c, stream)
+  local entries = read(stream, 1)
+  if #entries == 0 then
+    redis.call('ZREM', KEYS[c], stream)
+    return false
+  end
+  local fields, cost = entries[1][2], 1
+  for i = 1, #fields, 2 do
+    if fields[i] == ARGV[3] then cost = tonumber(fields[i + 1]) or 1 end
+  end
+  redis.call('ZINCRBY', KEYS[c], cost, stream)
+  out[#out + 1] = {stream, entries[1][1], fields}
+  return true
+end
 for c = 1, n_classes do
   local want = tonumber(ARGV[3 + c])
   while #out < want do
     local top = redis.call('ZRANGE', KEYS[c], 0, 0)
     if #top == 0 then break end
-    local entries = read(top[1], 1)
-    if #entries == 0 then
-      redis.call('ZREM', KEYS[c], top[1])
-    else
-      local fields, cost = entries[1][2], 1
-      for i = 1, #fields, 2 do
-        if fields[i] == ARGV[3] then cost = tonumber(fields[i + 1]) or 1 end
-      end
-      redis.call('ZINCRBY', KEYS[c], cost, top[1])
-      out[#out + 1] = {top[1], entries[1][1], fields}
-    end
+    take(c, top[1])
   end
   local extra = tonumber(ARGV[4 + n_classes + c])
   if extra > 0 then
     for _, stream in ipairs(redis.call('ZRANGE', KEYS[c], 0, tonumber(ARGV[5 + 2 * n_classes]) - 1)) do
       if extra == 0 then break end
-      if not excluded[stream] then
-        local entries = read(stream, 1)
-        if #entries == 0 then
-          redis.call('ZREM', KEYS[c], stream)
-        else
-          local fields, cost = entries[1][2], 1
-          for i = 1, #fields, 2 do
-            if fields[i] == ARGV[3] then cost = tonumber(fields[i + 1]) or 1 end
-          end
-          redis.call('ZINCRBY', KEYS[c], cost, stream)
-          out[#out + 1] = {stream, entries[1][1], fields}
-          extra = extra - 1
-        end
-      end
+      if not excluded[stream] and take(c, stream) then extra = extra - 1 end
     end
   end
 end

@@ -90,6 +90,12 @@ def strided_ids(vocab_size: int, num_tokens: int) -> list[int]:
     return [(1 + 7919 * i) % vocab_size for i in range(num_tokens)]
 
 
+def default_calibration_ids(vocab_size: int, max_model_len: int) -> list[int]:
+    """The calibration prefill without a tokenizer: ``strided_ids`` of at most
+    ``MAX_CALIBRATION_TOKENS`` and ``max_model_len`` tokens."""
+    return strided_ids(vocab_size, min(MAX_CALIBRATION_TOKENS, max_model_len))
+
+
 def kv_calibration_ids(source: ModelSource, settings: EngineSettings, vocab_size: int,
                        max_model_len: int) -> list[int]:
     """The calibration prefill's token ids (module docstring), or ``[]`` unless
@@ -97,9 +103,9 @@ def kv_calibration_ids(source: ModelSource, settings: EngineSettings, vocab_size
     ``max_model_len`` tokens."""
     if settings.kv_cache_dtype != "fp8":
         return []
-    num_tokens = min(MAX_CALIBRATION_TOKENS, max_model_len)
     if source.path is None or not source.has_tokenizer:
-        return strided_ids(vocab_size, num_tokens)
+        return default_calibration_ids(vocab_size, max_model_len)
+    num_tokens = min(MAX_CALIBRATION_TOKENS, max_model_len)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(source.path))

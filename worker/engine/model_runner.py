@@ -40,7 +40,7 @@ from kernels.kv_cache_write import FP8_KV_DTYPE
 from shared.protocol import TokenLogprobs
 from shared.settings import EngineSettings
 from worker.engine.cuda_graphs import DecodeGraphs
-from worker.engine.kv_calibration import MAX_CALIBRATION_TOKENS, calibrate_kv_cache, strided_ids
+from worker.engine.kv_calibration import calibrate_kv_cache, default_calibration_ids
 from worker.engine.mixed_graphs import MixedGraphs, StepInputs
 from worker.engine.prompt_logprobs import compute_prompt_logprobs, prompt_spans, warm_up_steps
 from worker.engine.request import Request
@@ -113,7 +113,7 @@ class ModelRunner:
         """``max_model_len``: the longest sequence, tokens (``shared.model_source.max_model_len``;
         the model's rotary table covers it), which sizes the graphs' block tables.
         ``kv_calibration_ids``: the prefill that calibrates an fp8 cache
-        (``kv_calibration.kv_calibration_ids``; empty: ``strided_ids``); unused otherwise."""
+        (``kv_calibration.kv_calibration_ids``; empty: ``default_calibration_ids``); unused otherwise."""
         self.model = model
         self.cfg = model.config
         self.device = device
@@ -136,7 +136,7 @@ class ModelRunner:
         model.check_backend(self.backend)  # e.g. a sliding window the backend cannot honour
         if settings.kv_cache_dtype == "fp8":  # before any graph capture: they hold the encoding
             calibrate_kv_cache(model, self.kv_caches, kv_calibration_ids
-                               or strided_ids(self.cfg.vocab_size, min(MAX_CALIBRATION_TOKENS, max_model_len)), device)
+                               or default_calibration_ids(self.cfg.vocab_size, max_model_len), device)
         self.sampler = Sampler(device, seed)
         self.grammar_masks = GrammarMasks(self.cfg.vocab_size, device)
         self.max_model_len = max_model_len
