@@ -233,13 +233,12 @@ def analyse(results: list[StreamResult], wall_s: float, max_tokens: int, tokeniz
 
 # -- the run -------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from transformers import AutoTokenizer
-
     from shared.embedded_redis import EmbeddedRedis
     from shared.model_source import resolve_model
+    from shared.tokenizer_loader import load_tokenizer
 
     loadavg_before = os.getloadavg()  # other work on the host skews every number here
-    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(MODEL).path))
+    tokenizer = load_tokenizer(resolve_model(MODEL).path)
     pool = word_token_ids(tokenizer)
     rng = random.Random(args.seed)
     logs = Path(args.log_dir)
@@ -349,7 +348,6 @@ def inline_main(args: argparse.Namespace) -> dict[str, Any]:
     record's ordering, ``DecodeStream``, stop strings, delivery) for requests with no stop
     string and with one, then the SSE encoding of every step."""
     import redis.asyncio as aioredis
-    from transformers import AutoTokenizer
 
     from gateway.generation import Generation
     from gateway.output import OutputProcessor
@@ -358,8 +356,9 @@ def inline_main(args: argparse.Namespace) -> dict[str, Any]:
     from shared import protocol
     from shared.model_source import resolve_model
     from shared.protocol import TokenBatch, TokenOutput
+    from shared.tokenizer_loader import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(MODEL).path))
+    tokenizer = load_tokenizer(resolve_model(MODEL).path)
     words = word_token_ids(tokenizer)
     num_tokens = args.batch_size * args.num_steps
 

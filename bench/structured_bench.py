@@ -143,12 +143,11 @@ def bench_xgrammar(hf_tokenizer: Any, vocab_size: int, answer_ids: list[int], eo
 
 
 def bench_grammar() -> list[dict[str, Any]]:
-    from transformers import AutoTokenizer
-
     from shared.model_source import resolve_model
+    from shared.tokenizer_loader import load_tokenizer
 
     source = resolve_model(MODEL)
-    hf = AutoTokenizer.from_pretrained(str(source.path))
+    hf = load_tokenizer(source.path)
     vocab_size = int(source.config["vocab_size"])
     # The answer as the compact JSON both engines enforce, in the schema's key order.
     answer_ids = list(hf.encode(json.dumps(ANSWER, sort_keys=True, separators=(",", ":"))))

@@ -52,6 +52,7 @@ from gateway.stats import install_stats_route
 from gateway.tasks import BackgroundTasks
 from gateway.tokenize import TokenizerWorker
 from gateway.tokenizer_routes import DetokenizeRequest, TokenizeRequest, handle_detokenize, handle_tokenize
+from shared import tokenizer_loader
 from shared.fair_queue import FairQueue
 from shared.keys import Keys
 from shared.model_source import ModelSource, max_model_len, served_model_name
@@ -79,9 +80,7 @@ def load_tokenizer(source: ModelSource) -> Any:
     """
     if source.path is None or not source.has_tokenizer:
         raise ValueError(f"model {source.name!r} has no tokenizer folder; the gateway needs one")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(source.path)
+    return tokenizer_loader.load_tokenizer(source.path)
 
 
 class GatewayApp(FastAPI):

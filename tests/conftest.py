@@ -12,6 +12,33 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+_PREBUILD = pytest.StashKey[Any]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Start building the C++ CPU kernels (kernels/cpu_extension.py: about 45 s on 2 cores
+    in a fresh ``HOME``) in a background process at low CPU priority, so the build runs
+    while early tests wait on sockets and subprocesses, not when the first real-model test
+    needs it. That test still waits on the build's lock if it comes first; once built, the
+    process only loads the cached module."""
+    import subprocess
+    import sys
+
+    session.config.stash[_PREBUILD] = subprocess.Popen(
+        [sys.executable, "-c", "import os; os.nice(10); from kernels.cpu_extension import load; load()"],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Stop a build still running (with its compilers: its own process group)."""
+    import signal
+
+    proc = session.config.stash.get(_PREBUILD, None)
+    if proc is not None and proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip ``cuda`` tests without a GPU and ``vllm`` tests without vLLM."""

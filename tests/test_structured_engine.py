@@ -495,31 +495,26 @@ def test_structured_outputs_map_to_vllms() -> None:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_backend_gives_our_greedy_structured_outputs(mixed, offline, smollm_source) -> None:
+def test_vllm_backend_gives_our_greedy_structured_outputs(mixed, offline, smollm_source, vllm_backend) -> None:
     """vLLM (its llguidance backend) and our engine agree token for token on greedy
     constrained requests, except that vLLM samples the EOS that is the only token left at
     a grammar's end, where ours stops without it (same text)."""
     from shared.model_source import eos_token_ids
-    from shared.settings import EngineSettings, ModelSettings
-    from worker.backends.vllm import VllmBackend
 
     names = ["person", "order", "verdict", "regex", "choice", "lark", "gbnf"]
     cases = {name: (prompt, params) for name, prompt, params in CASES}
-    backend = VllmBackend(smollm_source, ModelSettings(max_model_len=1024),
-                          EngineSettings(enforce_eager=True, kv_cache_bytes=128 * 1024**2, max_num_seqs=8))
-    try:
-        for name in names:
-            backend.add_request(name, chat(offline.tokenizer, cases[name][0]), cases[name][1])
-        got: dict[str, list[int]] = {name: [] for name in names}
-        finish: dict[str, str] = {}
-        while backend.has_unfinished_requests():
-            for out in backend.step():
-                got[out.request_id] += out.new_token_ids
-                finish[out.request_id] = out.finish_reason or ""
-        with pytest.raises(RequestRejected, match="cannot resume a structured output"):
-            backend.add_request("resumed", [1, 2, 3], cases["order"][1], output_token_ids=[39428])
-    finally:
-        backend.close()
+    backend = vllm_backend  # the session's (tests/conftest.py); left empty, as it came
+    for name in names:
+        backend.add_request(name, chat(offline.tokenizer, cases[name][0]), cases[name][1])
+    got: dict[str, list[int]] = {name: [] for name in names}
+    finish: dict[str, str] = {}
+    while backend.has_unfinished_requests():
+        for out in backend.step():
+            got[out.request_id] += out.new_token_ids
+            finish[out.request_id] = out.finish_reason or ""
+    with pytest.raises(RequestRejected, match="cannot resume a structured output"):
+        backend.add_request("resumed", [1, 2, 3], cases["order"][1], output_token_ids=[39428])
+    assert not backend.has_unfinished_requests()
     eos = eos_token_ids(smollm_source.config)
     for name in names:
         ours = mixed[name].token_ids

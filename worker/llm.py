@@ -12,6 +12,7 @@ from shared.model_source import DEFAULT_MODEL_NAME, resolve_model
 from shared.protocol import FinishReason, TokenLogprobs
 from shared.sampling import SamplingParams
 from shared.settings import EngineSettings, ModelSettings
+from shared.tokenizer_loader import load_tokenizer
 from worker.engine.engine import LLMEngine
 
 
@@ -53,9 +54,7 @@ class LLM:
         self.engine = LLMEngine(self.source, self.model_settings, self.engine_settings)
         self.tokenizer = None
         if self.source.has_tokenizer:
-            from transformers import AutoTokenizer
-
-            self.tokenizer = AutoTokenizer.from_pretrained(str(self.source.path))
+            self.tokenizer = load_tokenizer(self.source.path)
         self._ids = itertools.count()
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:

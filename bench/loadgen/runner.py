@@ -29,9 +29,9 @@ __all__ = ["BenchResult", "drive", "make_result", "run_benchmark"]
 
 def load_tokenizer(name_or_path: str) -> Any:
     """Hugging Face tokenizer from a folder or hub id (imported lazily: transformers is slow to load)."""
-    from transformers import AutoTokenizer
+    from shared.tokenizer_loader import load_tokenizer as load
 
-    return AutoTokenizer.from_pretrained(name_or_path)
+    return load(name_or_path)
 
 
 def build_requests(cfg: BenchConfig, tokenizer: Tokenizer | None = None) -> list[SampleRequest]:

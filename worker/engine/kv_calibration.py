@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.kv_cache_write import FP8_E4M3_MAX
+from shared.tokenizer_loader import load_tokenizer
 from worker.models.attention import DEFAULT_KV_SCALE, AttentionMetadata, KVQuant
 
 if TYPE_CHECKING:
@@ -106,9 +107,7 @@ def kv_calibration_ids(source: ModelSource, settings: EngineSettings, vocab_size
     if source.path is None or not source.has_tokenizer:
         return default_calibration_ids(vocab_size, max_model_len)
     num_tokens = min(MAX_CALIBRATION_TOKENS, max_model_len)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(source.path))
+    tokenizer = load_tokenizer(source.path)
     return [i for i in tokenizer.encode(CALIBRATION_TEXT) if i < vocab_size][:num_tokens]
 
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import llguidance
 
+from shared.tokenizer_loader import load_tokenizer
+
 
 def build_tokenizer(path: Path, vocab_size: int, eos_token_ids: AbstractSet[int]) -> llguidance.LLTokenizer:
     """llguidance's view of the tokenizer in the Hugging Face folder ``path``.
@@ -21,9 +23,7 @@ def build_tokenizer(path: Path, vocab_size: int, eos_token_ids: AbstractSet[int]
             larger than ``vocab_size``.
     """
     import llguidance.hf
-    from transformers import AutoTokenizer
-
-    hf = AutoTokenizer.from_pretrained(str(path))
+    hf = load_tokenizer(path)
     if len(hf) > vocab_size:
         raise ValueError(f"the tokenizer has {len(hf)} tokens, more than the model's vocab_size {vocab_size}")
     return llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=sorted(eos_token_ids) or None)
