@@ -20,7 +20,9 @@ Two Lua scripts do every change, so each is atomic however many gateways and wor
   (``JOIN_OFFSET``): it is served before the tenant holding that counter, not after it
   on a tie broken by stream name. Idling banks no credit: a tenant that left (nothing
   waiting) was the one with the smallest counter when it was last served, so forgetting
-  its counter gains it at most one request's cost.
+  its counter gains it at most one request's cost. A request of a class above the lowest
+  is also announced on the model's arrivals channel (its class rank), for workers busy
+  with a lower class (``LLMEngine.note_arrival``).
 - ``_PULL`` (worker): take the highest non-empty class (interactive, then default, then
   batch), in it the stream with the smallest counter, XREADGROUP one entry (no BLOCK:
   allowed in scripts), and add the entry's cost to the counter; a stream with nothing
@@ -104,8 +106,9 @@ def stream_class_tenant(keys: Keys, model: str, stream: str) -> tuple[str, str]:
 
 # KEYS: stream, class active set, model's stream set, doorbell[, request-id key]
 # ARGV: group, stream field, cost field, entry id to finish first ("" none), ttl, wire id,
-#       max rings, join offset (JOIN_OFFSET), then (cost, payload) pairs. Returns the new entry ids, or false when
-#       the request-id key exists (nothing written).
+#       max rings, join offset (JOIN_OFFSET), arrivals channel ("" none), class rank, then
+#       (cost, payload) pairs. Returns the new entry ids, or false when the request-id key
+#       exists (nothing written).
 _ENQUEUE = """
 if #KEYS > 4 and not redis.call('SET', KEYS[5], ARGV[6], 'NX', 'EX', ARGV[5]) then
   return false
@@ -124,11 +127,12 @@ if not redis.call('ZSCORE', KEYS[2], KEYS[1]) then
   redis.call('ZADD', KEYS[2], score, KEYS[1])
 end
 local ids = {}
-for i = 9, #ARGV, 2 do
+for i = 11, #ARGV, 2 do
   ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[i + 1], ARGV[3], ARGV[i])
   redis.call('RPUSH', KEYS[4], 1)
 end
 redis.call('LTRIM', KEYS[4], -tonumber(ARGV[7]), -1)
+if ARGV[9] ~= '' then redis.call('PUBLISH', ARGV[9], ARGV[10]) end
 return ids
 """
 
@@ -240,8 +244,12 @@ class FairQueue:
                 self.keys.doorbell(self.model)]
         if request_id_key is not None:
             keys.append(request_id_key)
+        # A class above the lowest is announced on the arrivals channel: a busy worker
+        # running a lower class looks at it before chaining its next decode step.
+        rank = class_rank(priority_class)
+        arrivals = self.keys.arrivals_channel(self.model) if rank < len(PRIORITY_CLASSES) - 1 else ""
         args: list[Any] = [CONSUMER_GROUP, STREAM_FIELD, COST_FIELD, finish_entry_id, max(1, ttl_s), wire_id,
-                           DOORBELL_MAX_RINGS, JOIN_OFFSET]
+                           DOORBELL_MAX_RINGS, JOIN_OFFSET, arrivals, rank]
         for r in requests:
             args += [entry_cost(r), protocol.encode(r)]
         if pipe is not None:

@@ -59,6 +59,10 @@ FAMILIES = (
     _Family("inferq:engine_async_steps", "counter",
             "Decode steps enqueued behind one still in flight (async scheduling)",
             lambda w, s: getattr(w.backend, "num_async_steps", 0)),
+    _Family("inferq:engine_chains_withheld", "counter",
+            "Async decode steps not chained because a request of a higher class than the lowest running "
+            "one was announced (the late look)",
+            lambda w, s: getattr(w.backend, "num_chains_withheld", 0)),
     # Speculative decoding (worker/engine/spec_decode.py); 0 when off or on another backend.
     # Counters only, so rates hold over any window: acceptance rate = rate(accepted) /
     # rate(draft tokens); mean accepted length = 1 + rate(accepted) / rate(verify steps).

@@ -16,7 +16,8 @@ Each turn of the loop:
    subscribers) are aborted at the next turn.
 A heartbeat task refreshes ``{ns}:worker:{id}`` with a TTL, carrying the engine's
 progress (``worker/progress.py``: a step that hangs makes the worker read as dead); a
-control task listens for aborts. On SIGTERM (``drain()``) the worker stops pulling, finishes what it holds, and
+control task listens for aborts, and for requests queued in a class above the lowest
+(the engine looks at them before chaining an async decode step). On SIGTERM (``drain()``) the worker stops pulling, finishes what it holds, and
 returns.
 """
 
@@ -163,6 +164,7 @@ class Worker:
                             self._next_reap_s = time.monotonic() + REAP_INTERVAL_S
                             await self.reap()
                         pull_start_s = time.monotonic()
+                        self.backend.note_arrival(None)  # what was announced so far, this pull sees
                         await self._pull(block_ms=None if busy else IDLE_BLOCK_MS)
                         if self.trace is not None and busy:
                             self.trace.pull_s += time.monotonic() - pull_start_s
@@ -425,13 +427,22 @@ class Worker:
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     async def _control_loop(self) -> None:
+        """Aborts (the control channel) and higher-class arrivals (the model's arrivals
+        channel: ``EngineBackend.note_arrival``) over one subscription."""
         channel = self.keys.control_channel()
+        arrivals = self.keys.arrivals_channel(self.model)
         while True:
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
-                await pubsub.subscribe(channel)
+                await pubsub.subscribe(channel, arrivals)
                 async for item in pubsub.listen():
                     if item.get("type") != "message":
+                        continue
+                    if as_text(item.get("channel", b"")) == arrivals:
+                        try:
+                            self.backend.note_arrival(int(item["data"]))
+                        except ValueError:
+                            log.warning("bad arrival message: %r", item["data"][:40])
                         continue
                     try:
                         message = protocol.decode(item["data"])

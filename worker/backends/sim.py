@@ -124,6 +124,9 @@ class SimBackend:
         """``None``: no tenant's request preempts another's here (``EngineBackend``)."""
         return None
 
+    def note_arrival(self, priority: int | None) -> None:
+        """Ignored: no step is chained ahead of the host here (``EngineBackend``)."""
+
     # -- the loop ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Admit waiting requests into free slots, emit one token per running request,

@@ -429,6 +429,9 @@ class VllmBackend:
         """``None``: no tenant's request preempts another's here (``EngineBackend``)."""
         return None
 
+    def note_arrival(self, priority: int | None) -> None:
+        """Ignored: no step is chained ahead of the host here (``EngineBackend``)."""
+
     # -- the loop ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One vLLM engine step; the new tokens of every request that got some."""

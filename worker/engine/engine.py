@@ -133,6 +133,10 @@ class LLMEngine:
         # The decode step enqueued on the GPU and not yet applied (async scheduling).
         self._inflight: tuple[SchedulerOutput, DecodeLaunch] | None = None
         self.num_async_steps = 0  # decode steps enqueued behind one still in flight
+        # The highest class (smallest rank) announced since the worker last pulled
+        # (``note_arrival``; None: none). Written by the worker's event loop, read here.
+        self._arrival: int | None = None
+        self.num_chains_withheld = 0  # decode steps not chained for an arrival (``_finish_inflight``)
         log.info("engine ready in %.1f s: %s, max_model_len %d", time.perf_counter() - t0,
                  source.name, self.max_model_len)
 
@@ -199,6 +203,14 @@ class LLMEngine:
         """Tenants whose next request of class ``priority`` would find no slot to claim
         in a full engine (``Scheduler.fair_share_blocked``); ``None``: every tenant's."""
         return self.scheduler.fair_share_blocked(priority)
+
+    def note_arrival(self, priority: int | None) -> None:
+        """A request of class rank ``priority`` was queued, or (``None``) the worker is
+        about to pull: forget earlier notes. Called from the worker's event loop while a
+        step may run; one attribute store, which the engine thread reads
+        (``_finish_inflight``)."""
+        if priority is None or self._arrival is None or priority < self._arrival:
+            self._arrival = priority
 
     # -- the loop ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -274,7 +286,10 @@ class LLMEngine:
 
     def _finish_inflight(self) -> list[RequestOutput]:
         """Enqueue the next decode step when it can follow the one in flight, then wait
-        for the in-flight step's tokens and apply them."""
+        for the in-flight step's tokens and apply them. While a class above the lowest
+        running one exists, the next step is prepared, and replayed once the one in flight
+        has run only if no request of a higher class was announced meanwhile
+        (``note_arrival``): the late look."""
         out, launch = self._inflight  # type: ignore[misc]
         if not self.scheduler.can_schedule_next_decode(out):
             self._inflight = None
@@ -283,6 +298,23 @@ class LLMEngine:
         requests = [item.request for item in nxt.scheduled]
         # One position past the token in flight, which the host has not applied yet.
         positions = [r.num_computed_tokens + 1 for r in requests]
+        if all(r.grammar is None for r in requests) and self._may_withhold():
+            # The late look: a request of a higher class queued while the step in flight
+            # ran would otherwise wait for the chained step too, then for its own (it is
+            # pulled between steps). Prepare the chained step, wait for the one in flight,
+            # and replay only if nothing of a higher class arrived meanwhile. The GPU idles
+            # for the replay's launch only; the host's apply still overlaps the replay.
+            max_seq_len = self.runner.prepare_decode(requests, positions, launch.sampled)
+            token_ids = launch.token_ids()
+            arrival = self._arrival
+            if arrival is not None and arrival < self.scheduler.running[-1].priority:
+                # Not chained: its blocks stay with their requests, for their next step.
+                self.num_chains_withheld += 1
+                self._inflight = None
+                return self._apply(out, token_ids)  # type: ignore[arg-type]
+            self.num_async_steps += 1
+            self._inflight = nxt, self.runner.replay_decode(requests, max_seq_len)
+            return self._apply(out, token_ids)  # type: ignore[arg-type]
         self.num_async_steps += 1
         if all(r.grammar is None for r in requests):
             self._inflight = nxt, self.runner.launch_decode(requests, positions, launch.sampled)
@@ -299,6 +331,13 @@ class LLMEngine:
             if r.status.finished:
                 self._free(r)
         return outputs
+
+    def _may_withhold(self) -> bool:
+        """True when the late look applies to the next chained step (every running
+        request): some class is above the lowest running one (the last, in class order),
+        and the step can be dropped once prepared (not under tensor parallelism, where
+        rank 0 announces each step to the other ranks as it prepares it)."""
+        return self.scheduler.running[-1].priority > 0 and self.runner.step_sync is None
 
     def stats(self) -> EngineStats:
         return self.scheduler.make_stats()

@@ -228,6 +228,12 @@ class ModelRunner:
             input_ids: the input tokens, on the host, or ``[n]`` int64 on the device (the
                 sampled ids of the step still in flight: async scheduling).
         """
+        return self._replay_decode(len(requests), self._prepare_decode(requests, positions, input_ids))
+
+    def _prepare_decode(self, requests: Sequence[Request], positions: Sequence[int],
+                        input_ids: Sequence[int] | torch.Tensor) -> int:
+        """Fill the graphs' inputs and enqueue their upload (arguments as
+        ``_decode_logits``); returns the longest context, tokens."""
         graphs = self.graphs
         assert graphs is not None and len(requests) <= graphs.max_batch_size
         bs = self.block_size
@@ -241,7 +247,11 @@ class ModelRunner:
             graphs.inputs.dev64[:len(requests)].copy_(input_ids)  # type: ignore[arg-type]
         if self.step_sync is not None:  # the other ranks replay the same bucket on these inputs
             self.step_sync.send_decode(graphs.inputs.dev64, graphs.inputs.dev32, len(requests), max(lens))
-        return graphs.run(len(requests), max(lens), upload=False)
+        return max(lens)
+
+    def _replay_decode(self, n: int, max_seq_len: int) -> torch.Tensor:
+        assert self.graphs is not None
+        return self.graphs.run(n, max_seq_len, upload=False)
 
     def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> tuple[torch.Tensor, RawLogprobs | None]:
         """``Sampler.sample`` of one row of ``logits`` per request, under the grammar
@@ -273,6 +283,27 @@ class ModelRunner:
             The launch; ``DecodeLaunch.token_ids()`` waits for and returns the sampled ids.
         """
         return self.launch_sample(self.launch_forward(requests, positions, input_ids), requests)
+
+    @torch.inference_mode()
+    def prepare_decode(self, requests: Sequence[Request], positions: Sequence[int],
+                       input_ids: Sequence[int] | torch.Tensor) -> int:
+        """The first part of ``launch_decode``, for a step that may yet be dropped: fill
+        the graphs' inputs and enqueue their upload (stream-ordered after the step in
+        flight, which has read its own), and return the longest context (tokens) for
+        ``replay_decode``. Dropped, it leaves nothing behind: the next decode step fills
+        them again. Not under tensor parallelism (the inputs go to the other ranks here).
+
+        Raises:
+            AssertionError: no graphs, too many requests, or a tensor-parallel group.
+        """
+        assert self.step_sync is None, "a tensor-parallel step cannot be dropped once prepared"
+        return self._prepare_decode(requests, positions, input_ids)
+
+    @torch.inference_mode()
+    def replay_decode(self, requests: Sequence[Request], max_seq_len: int) -> DecodeLaunch:
+        """The rest of ``launch_decode`` after ``prepare_decode``: replay the graph and
+        enqueue the sampling; ``max_seq_len`` is what ``prepare_decode`` returned."""
+        return self.launch_sample(self._replay_decode(len(requests), max_seq_len), requests)
 
     @torch.inference_mode()
     def launch_forward(self, requests: Sequence[Request], positions: Sequence[int],

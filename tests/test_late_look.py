@@ -1,0 +1,192 @@
+"""The late look before an async decode step is chained (worker/engine/engine.py,
+``_finish_inflight``): the enqueue script announces a request of a class above the lowest
+on the model's arrivals channel, the worker hands that to the engine while a step runs,
+and the engine then withholds the next chained decode step, so the newcomer is pulled
+and prefilled one step sooner. Real Redis; the engine part on CUDA (async scheduling
+needs the graphs)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from shared.fair_queue import PRIORITY_CLASSES, FairQueue
+from shared.keys import Keys
+from shared.protocol import GenerateRequest
+from shared.sampling import SamplingParams
+from shared.settings import EngineSettings, ModelSettings
+from tests.test_worker_paths import replies_until_finished, running
+from worker.backends.sim import SimBackend
+from worker.service import Worker
+
+INTERACTIVE, DEFAULT, BATCH = 0, 1, 2
+
+
+def _request(rid: str, channel: str, max_tokens: int = 2, priority: int = DEFAULT) -> GenerateRequest:
+    return GenerateRequest(request_id=rid, model="m", prompt_token_ids=[5, 6], reply_channel=channel,
+                           sampling=SamplingParams(max_tokens=max_tokens), deadline_unix_s=time.time() + 60,
+                           priority=priority)
+
+
+async def test_enqueue_announces_each_class_above_the_lowest(client) -> None:
+    keys = Keys("tarrive")
+    queue = FairQueue(client, keys, "m")
+    pubsub = client.pubsub(ignore_subscribe_messages=True)
+    await pubsub.subscribe(keys.arrivals_channel("m"))
+    try:
+        for name in ("batch", "interactive", "default", "batch"):
+            await queue.enqueue(queue.stream(name, "t1"), [_request(f"r-{name}", "c", priority=PRIORITY_CLASSES.index(name))])
+        got = []
+        deadline_s = time.monotonic() + 1.0
+        while time.monotonic() < deadline_s:
+            item = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.1)
+            if item is not None:
+                got.append(item["data"])
+    finally:
+        await pubsub.aclose()
+    assert got == [b"0", b"1"]  # the batch class, the lowest, is never announced
+    assert await client.xlen(queue.stream("batch", "t1")) == 2
+
+
+class ArrivalSim(SimBackend):
+    """The sim backend, recording ``note_arrival`` calls with the number of steps
+    completed and whether a step was running at that moment."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.num_done = 0
+        self.stepping = False
+        self.notes: list[tuple[int | None, int, bool]] = []
+
+    def note_arrival(self, priority: int | None) -> None:
+        self.notes.append((priority, self.num_done, self.stepping))
+
+    def step(self) -> list[Any]:
+        self.stepping = True
+        try:
+            return super().step()
+        finally:
+            self.stepping = False
+            self.num_done += 1
+
+
+async def _noted(backend: ArrivalSim, priority: int) -> None:
+    while not any(p == priority for p, _, _ in backend.notes):
+        await asyncio.sleep(0.005)
+
+
+async def test_the_worker_hands_an_arrival_to_the_engine_while_a_step_runs(client) -> None:
+    keys = Keys("tarrive2")
+    channel = keys.gateway_channel("g1")
+    queue = FairQueue(client, keys, "m")
+    backend = ArrivalSim(ModelSettings(max_model_len=1000), EngineSettings(max_num_seqs=4), step_time_ms=250.0)
+    worker = Worker(client, keys, "m", "w1", backend)
+    pubsub = client.pubsub()
+    await pubsub.subscribe(channel)
+    try:
+        await queue.enqueue(queue.stream("batch", "t1"), [_request("long", channel, 6, BATCH)])
+        async with running(worker):
+            while backend.num_done < 2 or not backend.stepping:
+                await asyncio.sleep(0.005)
+            step = backend.num_done
+            await queue.enqueue(queue.stream("interactive", "t2"), [_request("late", channel, 1, INTERACTIVE)])
+            await asyncio.wait_for(_noted(backend, INTERACTIVE), 10)
+            assert backend.num_done == step  # handed over before the step in progress ended
+            await asyncio.wait_for(replies_until_finished(pubsub, {"long", "late"}), 30)
+    finally:
+        await pubsub.aclose()
+    arrivals = [(done, stepping) for p, done, stepping in backend.notes if p is not None]
+    assert arrivals == [(step, True)]
+    # Forgotten before each pull: the one after that step too.
+    assert (None, step + 1, False) in backend.notes
+
+
+def _engine(async_scheduling: bool = True) -> Any:
+    from worker.llm import LLM
+
+    llm = LLM(model="SmolLM2-135M", load_format="dummy", dtype="float32", device="cuda", num_kv_blocks=256,
+              max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512, async_scheduling=async_scheduling)
+    return llm
+
+
+def _run(llm: Any, arrive_at: dict[int, int | None]) -> tuple[dict[str, list[int]], list[int], int]:
+    """Four batch-class requests; before step ``k`` in ``arrive_at``, ``note_arrival``
+    of that class, and, for a class, an interactive request added after that step.
+    Returns the tokens by request, the steps that scheduled a prefill of "i", and how
+    many chains were withheld."""
+    engine = llm.engine
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(f"b{i}", [7 + i, 11, 13, 17], greedy, priority=BATCH)
+    outs: dict[str, list[int]] = {}
+    prefill_steps = []
+    step = 0
+    while engine.has_unfinished_requests():
+        arrival = arrive_at.get(step, -1)
+        if arrival != -1:
+            engine.note_arrival(arrival)
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if arrival is not None and arrival != -1:
+            engine.note_arrival(None)  # the worker's pull
+            engine.add_request("i", [3, 5, 7], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                               priority=arrival)
+            prefill_steps.append(step + 1)
+        step += 1
+        assert step < 500
+    stats = engine.stats()
+    assert stats.num_free_blocks == stats.num_blocks
+    return outs, prefill_steps, engine.num_chains_withheld
+
+
+@pytest.mark.cuda
+def test_a_higher_class_arrival_withholds_one_chained_step_and_changes_no_token() -> None:
+    llm = _engine()
+    plain, _, withheld = _run(llm, {})
+    assert withheld == 0 and llm.engine.num_async_steps > 0
+    for arrival in (INTERACTIVE, DEFAULT):
+        llm = _engine()
+        engine = llm.engine
+        outs, _, _ = _run(llm, {6: arrival})
+        assert engine.num_chains_withheld == 1, arrival
+        assert {k: v for k, v in outs.items() if k != "i"} == plain  # greedy, unchanged
+        assert len(outs["i"]) == 4
+    # A request of the running class, or a note forgotten by the pull, withholds nothing.
+    llm = _engine()
+    llm.engine.note_arrival(BATCH)
+    llm.engine.note_arrival(INTERACTIVE)
+    llm.engine.note_arrival(None)
+    outs, _, withheld = _run(llm, {})
+    assert withheld == 0 and outs == plain
+
+
+@pytest.mark.cuda
+def test_withheld_step_lets_the_newcomer_prefill_in_the_next_step() -> None:
+    """Step by step: without the note the interactive request, added after step 6 (the
+    worker's pull), waits one more step (the one chained during step 6) before its
+    prefill; with it, its prefill is the very next step."""
+
+    def first_token_step(arrival: int | None) -> int:
+        llm = _engine()
+        engine = llm.engine
+        greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        for i in range(4):
+            engine.add_request(f"b{i}", [7 + i, 11, 13, 17], greedy, priority=BATCH)
+        for _ in range(6):
+            engine.step()
+        assert engine._inflight is not None  # decodes are being chained
+        if arrival is not None:
+            engine.note_arrival(arrival)
+        engine.step()
+        engine.note_arrival(None)
+        engine.add_request("i", [3, 5, 7], SamplingParams(max_tokens=2, temperature=0.0), priority=INTERACTIVE)
+        for k in range(1, 10):
+            if any(out.request_id == "i" for out in engine.step()):
+                return k
+        raise AssertionError("no token for the interactive request")
+
+    assert first_token_step(INTERACTIVE) == 1
+    assert first_token_step(None) == 2
