@@ -190,3 +190,96 @@ def test_withheld_step_lets_the_newcomer_prefill_in_the_next_step() -> None:
 
     assert first_token_step(INTERACTIVE) == 1
     assert first_token_step(None) == 2
+
+
+# -- the same arrival stops an eager step between layers (the CPU engine) -------------------
+
+TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 512, "eos_token_id": 0}
+
+
+def _tiny_engine(prefix_caching: bool = True) -> Any:
+    from shared.model_source import ModelSource
+    from worker.engine.engine import LLMEngine
+
+    return LLMEngine(ModelSource("tiny", None, dict(TINY), dummy=True),
+                     ModelSettings(device="cpu", dtype="float32", max_model_len=256),
+                     EngineSettings(num_kv_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                                    attention_backend="torch", enable_prefix_caching=prefix_caching))
+
+
+def _stopped_run(engine: Any, arrive_before: dict[int, int],
+                 added_max_tokens: int = 3) -> tuple[dict[str, list[int]], list[int]]:
+    """Three batch requests (two share a prompt, so prefix caching has blocks to find);
+    before step ``k`` in ``arrive_before``, ``note_arrival`` of that class; after every
+    step, as the worker before its pull, the note is forgotten, and after a step that
+    returned nothing, a request of that class (``added_max_tokens``) is added (the pull).
+    Returns the tokens by request and the steps that returned nothing."""
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = {"b0": [9, 8, 7, 6, 5, 4, 3, 2, 1], "b1": [9, 8, 7, 6, 5, 4, 3, 2, 1], "b2": [11, 12, 13]}
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, greedy, priority=BATCH)
+    outs: dict[str, list[int]] = {}
+    empty = []
+    for step in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        if step in arrive_before:
+            engine.note_arrival(arrive_before[step])
+        got = engine.step()
+        for out in got:
+            assert out.first_index == len(outs.setdefault(out.request_id, []))
+            outs[out.request_id] += out.new_token_ids
+        engine.note_arrival(None)  # the worker forgets its notes before every pull
+        if not got:
+            empty.append(step)
+            engine.add_request(f"i{step}", [21, 22, 23, 24, 25],
+                               SamplingParams(max_tokens=added_max_tokens, temperature=0.0, ignore_eos=True),
+                               priority=arrive_before[step])
+    stats = engine.stats()
+    assert stats.num_free_blocks == stats.num_blocks and not engine.has_unfinished_requests()
+    return outs, empty
+
+
+def _alone(max_tokens: int) -> list[int]:
+    engine = _tiny_engine()
+    engine.add_request("i", [21, 22, 23, 24, 25], SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                   ignore_eos=True))
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+    return tokens
+
+
+def test_a_higher_class_arrival_stops_the_eager_step_and_changes_no_token() -> None:
+    plain, empty = _stopped_run(_tiny_engine(), {})
+    assert empty == [] and set(plain) == {"b0", "b1", "b2"}
+    # Step 0 prefills, step 5 decodes the batch (after i0's last token): each is stopped
+    # after its first layer and redone. Step 2 (i0 beside the batch) would stop for the
+    # DEFAULT note, but only one step completed since the last stop.
+    engine = _tiny_engine()
+    outs, empty = _stopped_run(engine, {0: INTERACTIVE, 2: DEFAULT, 5: DEFAULT})
+    assert empty == [0, 5] and engine.num_steps_stopped == 2
+    assert {k: v for k, v in outs.items() if k.startswith("b")} == plain
+    # Alone, the added requests get the same tokens (the stopped steps left no
+    # half-written KV behind that a later step or a prefix-cache hit could read).
+    assert outs["i0"] == outs["i5"] == _alone(3)
+
+
+def test_a_step_with_a_class_between_stops_for_a_higher_one() -> None:
+    """Step 6 carries i0 (INTERACTIVE) beside the batch: a DEFAULT note stops it, as the
+    newcomer's prefill step pauses the batch (i0 decodes in it)."""
+    plain, _ = _stopped_run(_tiny_engine(), {})
+    engine = _tiny_engine()
+    outs, empty = _stopped_run(engine, {0: INTERACTIVE, 6: DEFAULT}, added_max_tokens=8)
+    assert empty == [0, 6]
+    assert {k: v for k, v in outs.items() if k.startswith("b")} == plain
+    assert outs["i0"] == outs["i6"] == _alone(8)
+
+
+def test_an_arrival_of_the_steps_own_class_or_lower_stops_nothing() -> None:
+    engine = _tiny_engine()
+    plain, _ = _stopped_run(_tiny_engine(), {})
+    outs, empty = _stopped_run(engine, {0: BATCH, 2: BATCH})
+    assert empty == [] and engine.num_steps_stopped == 0 and outs == plain

@@ -59,6 +59,10 @@ FAMILIES = (
     _Family("inferq:engine_async_steps", "counter",
             "Decode steps enqueued behind one still in flight (async scheduling)",
             lambda w, s: getattr(w.backend, "num_async_steps", 0)),
+    _Family("inferq:engine_steps_stopped", "counter",
+            "Eager steps stopped between layers because a request of a class above the step's lowest one "
+            "was announced",
+            lambda w, s: getattr(w.backend, "num_steps_stopped", 0)),
     _Family("inferq:engine_chains_withheld", "counter",
             "Async decode steps not chained because a request of a higher class than the lowest running "
             "one was announced (the late look)",

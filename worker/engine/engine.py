@@ -24,11 +24,15 @@ from worker.engine.scheduler import Scheduler, SchedulerOutput
 from worker.engine.spec_decode import NgramProposer, Proposer, SpecStats
 from worker.models.config import ModelConfig
 from worker.models.fp8 import resolve_quantization
+from worker.models.llama import ForwardStopped
 from worker.models.loader import build_model
 from worker.structured.cache import GrammarCache
 from worker.structured.tokenizer import build_tokenizer
 
 log = logging.getLogger(__name__)
+
+#: Completed steps between two steps stopped for an arrival (``_stop_for_arrival``).
+MIN_STEPS_BETWEEN_STOPS = 4
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -137,6 +141,13 @@ class LLMEngine:
         # (``note_arrival``; None: none). Written by the worker's event loop, read here.
         self._arrival: int | None = None
         self.num_chains_withheld = 0  # decode steps not chained for an arrival (``_finish_inflight``)
+        # The lowest class (largest rank) of the step in progress, and the steps completed
+        # since one was stopped, for ``_stop_for_arrival``.
+        self._step_lowest_class = 0
+        self._steps_since_stop = MIN_STEPS_BETWEEN_STOPS
+        self.num_steps_stopped = 0  # eager steps stopped between layers for an arrival
+        if self.runner.step_sync is None and self.proposer is None:
+            self.runner.step_stop = self._stop_for_arrival
         log.info("engine ready in %.1f s: %s, max_model_len %d", time.perf_counter() - t0,
                  source.name, self.max_model_len)
 
@@ -222,6 +233,9 @@ class LLMEngine:
         step N (fetching ids, stop checks, publishing) overlaps the GPU's step N + 1,
         as in vLLM's async scheduling. A request that stops at step N has computed one
         wasted token in step N + 1, which is dropped.
+
+        Returns ``[]`` with requests still running when an eager step stopped between
+        layers for a higher-class arrival (``_stop_for_arrival``): nothing of it applied.
         """
         if self._inflight is not None:
             return self._finish_inflight()
@@ -237,7 +251,18 @@ class LLMEngine:
             requests = [item.request for item in out.scheduled]
             self._inflight = (out, self.runner.launch_decode(requests, *decode_inputs(requests)))
             return self._finish_inflight()
-        sampled, logprobs, prompt_logprobs = self.runner.execute(out.scheduled)
+        self._step_lowest_class = max(item.request.priority for item in out.scheduled)
+        try:
+            sampled, logprobs, prompt_logprobs = self.runner.execute(out.scheduled)
+        except ForwardStopped:
+            # Nothing of the step is applied: its requests compute the same tokens in a
+            # later step (their blocks stay; none was registered as cached, which happens
+            # in ``update`` only). The worker pulls the newcomer, which the priority floor
+            # prefills in a step without the lower classes next.
+            self.num_steps_stopped += 1
+            self._steps_since_stop = 0
+            return []
+        self._steps_since_stop += 1
         if self.proposer is not None:
             for item, tokens in zip(out.scheduled, sampled):
                 if item.num_spec_tokens and isinstance(tokens, list):
@@ -331,6 +356,19 @@ class LLMEngine:
             if r.status.finished:
                 self._free(r)
         return outputs
+
+    def _stop_for_arrival(self) -> bool:
+        """The model's ``stop`` check between the layers of an eager step: True when a
+        request of a class above the step's lowest one was announced while it ran
+        (``note_arrival``), so the step carries work that the newcomer's prefill step
+        pauses (the scheduler's priority floor), and at least ``MIN_STEPS_BETWEEN_STOPS``
+        steps completed since the last stop, so that a stream of arrivals slows lower
+        classes down but never stops them. On CPU a step of 16 batch sequences takes ~80
+        ms on 2 cores, longer than a short prompt's prefill (docs/benchmarks.md): the
+        newcomer then waits for a layer, not for the rest of that step."""
+        arrival = self._arrival
+        return (arrival is not None and arrival < self._step_lowest_class
+                and self._steps_since_stop >= MIN_STEPS_BETWEEN_STOPS)
 
     def _may_withhold(self) -> bool:
         """True when the late look applies to the next chained step (every running

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -129,6 +129,9 @@ class ModelRunner:
         if self.tp is not None:
             num_blocks = self.tp.min_int(num_blocks)
         self.step_sync: StepSync | None = None  # rank 0 of a group: announces each model call
+        #: Checked between the layers of an eager step (``LlamaForCausalLM.forward``'s
+        #: ``stop``; set by the engine, never under tensor parallelism); None: run whole.
+        self.step_stop: Callable[[], bool] | None = None
         self.num_blocks = num_blocks
         self.kv_caches = allocate_kv_cache(model.shard_config, num_blocks, self.block_size,
                                            kv_cache_dtype(settings.kv_cache_dtype, dtype), device)
@@ -352,7 +355,7 @@ class ModelRunner:
         else:
             self.num_eager_steps += 1
             input_ids, positions, meta, logits_indices = self._eager_inputs(batch)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend, self.step_stop)
             if spans:
                 prompt = compute_prompt_logprobs(hidden, self.model.compute_logits, batch, spans)
             if sampled_items:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,6 +52,12 @@ from worker.models.moe import SparseMoeBlock
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 RopeTables = tuple[torch.Tensor, torch.Tensor]
+
+
+class ForwardStopped(Exception):
+    """A forward pass stopped between layers because its ``stop`` check said so. The KV
+    of its positions is written for the layers before the stop only: the caller must
+    not count them as computed (the engine schedules them again)."""
 
 
 class RMSNorm(nn.Module):
@@ -281,13 +288,19 @@ class LlamaForCausalLM(nn.Module):
                 f"attention; pass --max-model-len {min(windows)} (or less)")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+                meta: AttentionMetadata, backend: AttentionBackend,
+                stop: Callable[[], bool] | None = None) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden_size]`` after the final norm.
 
         Args:
             input_ids, positions: ``[num_tokens]`` int64.
             kv_caches: per layer ``(k_cache, v_cache)``, each
                 ``[num_blocks, block_size, num_kv_heads, head_dim]``; written in place.
+            stop: checked after each layer but the last (eager passes only: a captured
+                graph runs whole).
+
+        Raises:
+            ForwardStopped: ``stop()`` returned True.
         """
         x = self.embed_tokens(input_ids)
         if self.config.embed_scale != 1.0:  # Gemma: the scale rounded to the model dtype first, as HF
@@ -300,6 +313,8 @@ class LlamaForCausalLM(nn.Module):
             rotary = self._layer_rotary(i)
             tables = rope_local if rotary is self.rotary_local else rope
             x, residual = layer(x, residual, positions, rotary, kv_cache, meta, backend, tables)
+            if stop is not None and i + 1 < len(self.layers) and stop():
+                raise ForwardStopped(f"stopped after layer {i}")
         return self.norm(x, residual, "rmsnorm" in backend.fused_ops)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ refused.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -205,7 +206,11 @@ class TensorParallelLM(LlamaForCausalLM):
                 if p.bias is not None]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+                meta: AttentionMetadata, backend: AttentionBackend,
+                stop: Callable[[], bool] | None = None) -> torch.Tensor:
+        """As ``LlamaForCausalLM.forward``, announced to the other ranks first; ``stop``
+        must be None: every rank runs each pass whole, or the group would desync."""
+        assert stop is None, "a tensor-parallel pass cannot stop on one rank"
         if self.sync is not None:
             self.sync.send_forward(input_ids, positions, meta)
         return super().forward(input_ids, positions, kv_caches, meta, backend)
