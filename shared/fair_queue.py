@@ -21,8 +21,8 @@ Two Lua scripts do every change, so each is atomic however many gateways and wor
   on a tie broken by stream name. Idling banks no credit: a tenant that left (nothing
   waiting) was the one with the smallest counter when it was last served, so forgetting
   its counter gains it at most one request's cost. A request of a class above the lowest
-  is also announced on the model's arrivals channel (its class rank), for workers busy
-  with a lower class (``LLMEngine.note_arrival``).
+  is also announced on the model's arrivals channel (``arrival_message``: its class rank
+  and tenant), for busy workers (``LLMEngine.note_arrival``).
 - ``_PULL`` (worker): take the highest non-empty class (interactive, then default, then
   batch), in it the stream with the smallest counter, XREADGROUP one entry (no BLOCK:
   allowed in scripts), and add the entry's cost to the counter; a stream with nothing
@@ -89,6 +89,24 @@ def class_rank(priority_class: str) -> int:
     return PRIORITY_CLASSES.index(priority_class)
 
 
+def arrival_message(rank: int, tenant: str) -> str:
+    """What the enqueue script publishes on the arrivals channel: ``"<class rank>:<tenant>"``."""
+    return f"{rank}:{tenant}"
+
+
+def parse_arrival(message: bytes | str) -> tuple[int, str]:
+    """``(class rank, tenant)`` of an arrivals-channel message (``arrival_message``).
+
+    Raises:
+        ValueError: not such a message.
+    """
+    text = message.decode() if isinstance(message, bytes) else message
+    rank, sep, tenant = text.partition(":")
+    if not sep:
+        raise ValueError(f"not an arrival message: {text[:40]!r}")
+    return int(rank), tenant
+
+
 def entry_cost(request: GenerateRequest) -> int:
     """The virtual tokens a request costs its tenant when a worker pulls it (>= 1)."""
     return max(1, PROMPT_TOKEN_WEIGHT * len(request.prompt_token_ids)
@@ -106,7 +124,7 @@ def stream_class_tenant(keys: Keys, model: str, stream: str) -> tuple[str, str]:
 
 # KEYS: stream, class active set, model's stream set, doorbell[, request-id key]
 # ARGV: group, stream field, cost field, entry id to finish first ("" none), ttl, wire id,
-#       max rings, join offset (JOIN_OFFSET), arrivals channel ("" none), class rank, then
+#       max rings, join offset (JOIN_OFFSET), arrivals channel ("" none), its message, then
 #       (cost, payload) pairs. Returns the new entry ids, or false when the request-id key
 #       exists (nothing written).
 _ENQUEUE = """
@@ -239,7 +257,7 @@ class FairQueue:
             ValueError: ``stream`` is not a stream of a known class of this model.
             redis.exceptions.RedisError, OSError: Redis unreachable or refusing the write.
         """
-        priority_class, _ = stream_class_tenant(self.keys, self.model, stream)
+        priority_class, tenant = stream_class_tenant(self.keys, self.model, stream)
         keys = [stream, self.active_set(priority_class), self.keys.model_streams(self.model),
                 self.keys.doorbell(self.model)]
         if request_id_key is not None:
@@ -249,7 +267,7 @@ class FairQueue:
         rank = class_rank(priority_class)
         arrivals = self.keys.arrivals_channel(self.model) if rank < len(PRIORITY_CLASSES) - 1 else ""
         args: list[Any] = [CONSUMER_GROUP, STREAM_FIELD, COST_FIELD, finish_entry_id, max(1, ttl_s), wire_id,
-                           DOORBELL_MAX_RINGS, JOIN_OFFSET, arrivals, rank]
+                           DOORBELL_MAX_RINGS, JOIN_OFFSET, arrivals, arrival_message(rank, tenant)]
         for r in requests:
             args += [entry_cost(r), protocol.encode(r)]
         if pipe is not None:

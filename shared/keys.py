@@ -12,7 +12,7 @@ deployments can share one Redis. The TTLs that go with some keys live here too.
 | ``{ns}:{model}:doorbell`` | list (at most ``DOORBELL_MAX_RINGS``) | enqueue script (RPUSH) | idle workers (BLPOP), pull script (DEL when all is taken) |
 | ``{ns}:gateway:{gateway_id}`` | pub/sub channel | workers (token/error messages) | the gateway that owns the requests |
 | ``{ns}:control`` | pub/sub channel | gateways (aborts) | every worker |
-| ``{ns}:{model}:arrivals`` | pub/sub channel: the class rank of each request queued in a class above the lowest | enqueue script (PUBLISH) | workers of the model (a late look before chaining an async decode step) |
+| ``{ns}:{model}:arrivals`` | pub/sub channel: ``<class rank>:<tenant>`` of each request queued in a class above the lowest | enqueue script (PUBLISH) | workers of the model (``worker/engine/arrivals.py``) |
 | ``{ns}:worker:{worker_id}`` | string with TTL | worker (heartbeat + status) | gateways, ``inferq queues`` |
 | ``{ns}:request-id:{request_id}`` | string with TTL | gateway (SET NX with the XADD; DEL when the request ends) | gateways (duplicate check) |
 | ``{ns}:{model}:rate-limit:{tenant}`` | hash with TTL | gateways (one Lua script: gateway/rate_limits.py) | the same script |
@@ -84,7 +84,7 @@ class Keys:
 
     def arrivals_channel(self, model: str) -> str:
         """Pub/sub channel on which the enqueue script announces each request of ``model``
-        queued in a class above the lowest: its class rank, as text."""
+        queued in a class above the lowest: ``<class rank>:<tenant>``, as text."""
         return f"{self.namespace}:{model}:arrivals"
 
     def gateway_channel(self, gateway_id: str) -> str:

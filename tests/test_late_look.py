@@ -47,7 +47,7 @@ async def test_enqueue_announces_each_class_above_the_lowest(client) -> None:
                 got.append(item["data"])
     finally:
         await pubsub.aclose()
-    assert got == [b"0", b"1"]  # the batch class, the lowest, is never announced
+    assert got == [b"0:t1", b"1:t1"]  # the batch class, the lowest, is never announced
     assert await client.xlen(queue.stream("batch", "t1")) == 2
 
 
@@ -60,9 +60,11 @@ class ArrivalSim(SimBackend):
         self.num_done = 0
         self.stepping = False
         self.notes: list[tuple[int | None, int, bool]] = []
+        self.tenants: list[str] = []
 
-    def note_arrival(self, priority: int | None) -> None:
+    def note_arrival(self, priority: int | None, tenant: str = "") -> None:
         self.notes.append((priority, self.num_done, self.stepping))
+        self.tenants.append(tenant)
 
     def step(self) -> list[Any]:
         self.stepping = True
@@ -99,7 +101,7 @@ async def test_the_worker_hands_an_arrival_to_the_engine_while_a_step_runs(clien
     finally:
         await pubsub.aclose()
     arrivals = [(done, stepping) for p, done, stepping in backend.notes if p is not None]
-    assert arrivals == [(step, True)]
+    assert arrivals == [(step, True)] and "t2" in backend.tenants
     # Forgotten before each pull: the one after that step too.
     assert (None, step + 1, False) in backend.notes
 
@@ -283,3 +285,39 @@ def test_an_arrival_of_the_steps_own_class_or_lower_stops_nothing() -> None:
     plain, _ = _stopped_run(_tiny_engine(), {})
     outs, empty = _stopped_run(engine, {0: BATCH, 2: BATCH})
     assert empty == [] and engine.num_steps_stopped == 0 and outs == plain
+
+
+def test_a_tenant_that_claims_a_slot_of_a_full_engine_stops_the_step() -> None:
+    """Tenant A holds every slot of its class; B's announced request may claim one (fair
+    share of slots), so the step in progress stops for it, as for a higher class. A's own
+    next request, or B's while the engine has a free slot, stops nothing."""
+
+    def run(notes: dict[int, tuple[int, str]], num_a: int) -> tuple[dict[str, list[int]], list[int]]:
+        engine = _tiny_engine()
+        greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+        for k in range(num_a):
+            engine.add_request(f"a{k}", [30 + k, 31, 32, 33], greedy, priority=DEFAULT, tenant="A")
+        outs: dict[str, list[int]] = {}
+        empty = []
+        for step in range(200):
+            if not engine.has_unfinished_requests():
+                break
+            if step in notes:
+                engine.note_arrival(*notes[step])
+            got = engine.step()
+            for out in got:
+                outs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            engine.note_arrival(None)
+            if not got:
+                empty.append(step)
+                engine.add_request("b", [21, 22, 23, 24, 25], greedy, priority=DEFAULT, tenant="B")
+        assert engine.stats().num_free_blocks == engine.stats().num_blocks
+        return outs, empty
+
+    plain, _ = run({}, 4)
+    outs, empty = run({5: (DEFAULT, "B")}, 4)
+    assert empty == [5]
+    assert {k: v for k, v in outs.items() if k != "b"} == plain  # a3, preempted for b, recomputes
+    assert outs["b"] == _alone(10)
+    assert run({5: (DEFAULT, "A")}, 4)[1] == []  # A is the tenant that runs the most
+    assert run({5: (DEFAULT, "B")}, 3)[1] == []  # a free slot: B is pulled into it anyway

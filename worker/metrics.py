@@ -60,12 +60,12 @@ FAMILIES = (
             "Decode steps enqueued behind one still in flight (async scheduling)",
             lambda w, s: getattr(w.backend, "num_async_steps", 0)),
     _Family("inferq:engine_steps_stopped", "counter",
-            "Eager steps stopped between layers because a request of a class above the step's lowest one "
-            "was announced",
+            "Eager steps stopped between layers because a request was announced of a class above the step's "
+            "lowest one, or of a tenant that claims a slot of a full engine",
             lambda w, s: getattr(w.backend, "num_steps_stopped", 0)),
     _Family("inferq:engine_chains_withheld", "counter",
-            "Async decode steps not chained because a request of a higher class than the lowest running "
-            "one was announced (the late look)",
+            "Async decode steps not chained because a request was announced of a class above the lowest "
+            "running one, or of a tenant that claims a slot of a full engine (the late look)",
             lambda w, s: getattr(w.backend, "num_chains_withheld", 0)),
     # Speculative decoding (worker/engine/spec_decode.py); 0 when off or on another backend.
     # Counters only, so rates hold over any window: acceptance rate = rate(accepted) /

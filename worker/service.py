@@ -34,7 +34,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from shared import protocol
-from shared.fair_queue import PRIORITY_CLASSES, FairQueue, stream_class_tenant
+from shared.fair_queue import PRIORITY_CLASSES, FairQueue, parse_arrival, stream_class_tenant
 from shared.keys import CONSUMER_GROUP, HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, STREAM_FIELD, Keys
 from shared.liveness import live_workers
 from shared.protocol import AbortMessage, ErrorMessage, GenerateRequest, TokenBatch, TokenOutput, WorkerStatus
@@ -440,9 +440,9 @@ class Worker:
                         continue
                     if as_text(item.get("channel", b"")) == arrivals:
                         try:
-                            self.backend.note_arrival(int(item["data"]))
-                        except ValueError:
-                            log.warning("bad arrival message: %r", item["data"][:40])
+                            self.backend.note_arrival(*parse_arrival(item["data"]))
+                        except ValueError as exc:
+                            log.warning("bad arrival message: %s", exc)
                         continue
                     try:
                         message = protocol.decode(item["data"])

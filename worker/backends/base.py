@@ -115,12 +115,12 @@ class EngineBackend(Protocol):
         (``worker/engine/fair_share.py``). ``None``: no tenant's would (or the backend
         shares no slots between tenants)."""
 
-    def note_arrival(self, priority: int | None) -> None:
-        """A request of class rank ``priority`` was queued (the model's arrivals channel),
-        or, with ``None``, forget earlier notes (the worker is about to pull). The one call
-        that may come from the event loop while ``step`` runs on the engine thread: a
-        backend that chains decode steps ahead of the host (async scheduling) looks at it
-        before chaining the next one (``LLMEngine._finish_inflight``); others ignore it."""
+    def note_arrival(self, priority: int | None, tenant: str = "") -> None:
+        """A request of class rank ``priority`` from ``tenant`` was queued (the model's
+        arrivals channel), or, with ``None``, forget earlier notes (the worker is about to
+        pull). The one call that may come from the event loop while ``step`` runs on the
+        engine thread: the inferq engine may stop that step or withhold the next chained
+        one for it (``worker/engine/arrivals.py``); other backends ignore it."""
 
     def stats(self) -> EngineStats:
         """Load snapshot for heartbeats and metrics."""

@@ -429,8 +429,8 @@ class VllmBackend:
         """``None``: no tenant's request preempts another's here (``EngineBackend``)."""
         return None
 
-    def note_arrival(self, priority: int | None) -> None:
-        """Ignored: no step is chained ahead of the host here (``EngineBackend``)."""
+    def note_arrival(self, priority: int | None, tenant: str = "") -> None:
+        """Ignored: steps here run whole and none is chained ahead (``EngineBackend``)."""
 
     # -- the loop ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -15,6 +15,7 @@ from shared.protocol import TokenLogprobs
 from shared.sampling import SamplingParams
 from shared.settings import EngineSettings, ModelSettings
 from worker.backends.base import EngineStats, RequestOutput, RequestRejected, check_request
+from worker.engine.arrivals import Arrivals
 from worker.engine.block_manager import BlockManager
 from worker.engine.draft_proposer import DraftProposer, draft_num_blocks, load_draft_model
 from worker.engine.kv_calibration import kv_calibration_ids
@@ -137,9 +138,8 @@ class LLMEngine:
         # The decode step enqueued on the GPU and not yet applied (async scheduling).
         self._inflight: tuple[SchedulerOutput, DecodeLaunch] | None = None
         self.num_async_steps = 0  # decode steps enqueued behind one still in flight
-        # The highest class (smallest rank) announced since the worker last pulled
-        # (``note_arrival``; None: none). Written by the worker's event loop, read here.
-        self._arrival: int | None = None
+        # What was announced since the worker last pulled (``note_arrival``).
+        self.arrivals = Arrivals()
         self.num_chains_withheld = 0  # decode steps not chained for an arrival (``_finish_inflight``)
         # The lowest class (largest rank) of the step in progress, and the steps completed
         # since one was stopped, for ``_stop_for_arrival``.
@@ -215,13 +215,15 @@ class LLMEngine:
         in a full engine (``Scheduler.fair_share_blocked``); ``None``: every tenant's."""
         return self.scheduler.fair_share_blocked(priority)
 
-    def note_arrival(self, priority: int | None) -> None:
-        """A request of class rank ``priority`` was queued, or (``None``) the worker is
-        about to pull: forget earlier notes. Called from the worker's event loop while a
-        step may run; one attribute store, which the engine thread reads
-        (``_finish_inflight``)."""
-        if priority is None or self._arrival is None or priority < self._arrival:
-            self._arrival = priority
+    def note_arrival(self, priority: int | None, tenant: str = "") -> None:
+        """A request of class rank ``priority`` from ``tenant`` was queued, or (``None``)
+        the worker is about to pull: forget earlier notes. Called from the worker's event
+        loop while a step may run (``worker/engine/arrivals.py``); read by the engine
+        thread (``_stop_for_arrival``, ``_finish_inflight``)."""
+        if priority is None:
+            self.arrivals.clear()
+        else:
+            self.arrivals.note(priority, tenant)
 
     # -- the loop ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -323,16 +325,18 @@ class LLMEngine:
         requests = [item.request for item in nxt.scheduled]
         # One position past the token in flight, which the host has not applied yet.
         positions = [r.num_computed_tokens + 1 for r in requests]
-        if all(r.grammar is None for r in requests) and self._may_withhold():
-            # The late look: a request of a higher class queued while the step in flight
-            # ran would otherwise wait for the chained step too, then for its own (it is
-            # pulled between steps). Prepare the chained step, wait for the one in flight,
-            # and replay only if nothing of a higher class arrived meanwhile. The GPU idles
-            # for the replay's launch only; the host's apply still overlaps the replay.
+        if all(r.grammar is None for r in requests) and self.runner.step_sync is None:
+            # The late look: a request of a higher class (or one that claims a slot of a
+            # full engine) queued while the step in flight ran would otherwise wait for
+            # the chained step too, then for its own (it is pulled between steps).
+            # Prepare the chained step, wait for the one in flight, and replay only if
+            # no such request was announced meanwhile. The GPU idles for the replay's
+            # launch only; the host's apply still overlaps the replay. (Not under tensor
+            # parallelism: rank 0 announces each step to the others as it prepares it.)
             max_seq_len = self.runner.prepare_decode(requests, positions, launch.sampled)
             token_ids = launch.token_ids()
-            arrival = self._arrival
-            if arrival is not None and arrival < self.scheduler.running[-1].priority:
+            # ``running`` is in class order: its last request is of the lowest class.
+            if self.arrivals.preempts(self.scheduler, self.scheduler.running[-1].priority):
                 # Not chained: its blocks stay with their requests, for their next step.
                 self.num_chains_withheld += 1
                 self._inflight = None
@@ -359,23 +363,16 @@ class LLMEngine:
 
     def _stop_for_arrival(self) -> bool:
         """The model's ``stop`` check between the layers of an eager step: True when a
-        request of a class above the step's lowest one was announced while it ran
-        (``note_arrival``), so the step carries work that the newcomer's prefill step
-        pauses (the scheduler's priority floor), and at least ``MIN_STEPS_BETWEEN_STOPS``
-        steps completed since the last stop, so that a stream of arrivals slows lower
-        classes down but never stops them. On CPU a step of 16 batch sequences takes ~80
-        ms on 2 cores, longer than a short prompt's prefill (docs/benchmarks.md): the
-        newcomer then waits for a layer, not for the rest of that step."""
-        arrival = self._arrival
-        return (arrival is not None and arrival < self._step_lowest_class
-                and self._steps_since_stop >= MIN_STEPS_BETWEEN_STOPS)
-
-    def _may_withhold(self) -> bool:
-        """True when the late look applies to the next chained step (every running
-        request): some class is above the lowest running one (the last, in class order),
-        and the step can be dropped once prepared (not under tensor parallelism, where
-        rank 0 announces each step to the other ranks as it prepares it)."""
-        return self.scheduler.running[-1].priority > 0 and self.runner.step_sync is None
+        request announced while it ran would take the place of work it carries
+        (``Arrivals.preempts``: a class above the step's lowest one, whose prefill step the
+        scheduler's priority floor keeps that class out of, or a tenant that claims a slot
+        of a full engine), and at least ``MIN_STEPS_BETWEEN_STOPS`` steps completed since
+        the last stop, so that a stream of arrivals slows the others down but never stops
+        them. On CPU a step of 16 sequences takes ~80 ms on 2 cores, longer than a short
+        prompt's prefill (docs/benchmarks.md): the newcomer then waits for a layer, not
+        for the rest of that step."""
+        return (self._steps_since_stop >= MIN_STEPS_BETWEEN_STOPS
+                and self.arrivals.preempts(self.scheduler, self._step_lowest_class))
 
     def stats(self) -> EngineStats:
         return self.scheduler.make_stats()

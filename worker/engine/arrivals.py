@@ -1,0 +1,60 @@
+"""What the engine knows of requests queued in Redis but not pulled yet: the
+announcements of the model's arrivals channel (docs/protocol.md), which the worker hands
+over while a step runs (``LLMEngine.note_arrival``), and whether one of them would take
+the place of work that the step in progress carries.
+
+Two kinds of newcomer would: one of a class above the step's lowest class (the
+scheduler's priority floor pauses that class for its prefill), and, in a full engine, one
+of a tenant that may claim a sequence slot from another tenant of its class (fair share of
+slots, ``fair_share.py``). For either, the engine stops an eager step between layers or
+withholds a chained async decode step, so the worker pulls the newcomer one step sooner.
+
+Written by the worker's event loop (``note``, ``clear``), read on the engine thread
+(``preempts``): plain attribute stores and a set that is copied before it is read, each
+atomic under the GIL. A note that lands just after the worker's pull is stale by one step
+at worst: it can cost one stopped or unchained step, never a lost request.
+"""
+
+from __future__ import annotations
+
+from worker.engine.scheduler import Scheduler
+
+
+class Arrivals:
+    """The announcements since the worker last pulled."""
+
+    def __init__(self) -> None:
+        #: The highest class (smallest rank) announced; None: none.
+        self.best: int | None = None
+        #: ``(class rank, tenant)`` of every announcement.
+        self.tenants: set[tuple[int, str]] = set()
+
+    def note(self, priority: int, tenant: str = "") -> None:
+        """A request of class rank ``priority`` from ``tenant`` was queued."""
+        self.tenants.add((priority, tenant))
+        if self.best is None or priority < self.best:
+            self.best = priority
+
+    def clear(self) -> None:
+        """The worker is about to pull: what was announced so far, the pull sees."""
+        self.best = None
+        self.tenants = set()
+
+    def preempts(self, scheduler: Scheduler, lowest_class: int) -> bool:
+        """True when a newcomer would take the place of work in a step whose lowest class
+        is ``lowest_class``: its class is above that one, or the engine is full and its
+        tenant may claim a slot of its class (``Scheduler.fair_share_blocked``: neither
+        blocked nor ``None``, every tenant blocked)."""
+        best = self.best
+        if best is not None and best < lowest_class:
+            return True
+        if len(scheduler.running) < scheduler.max_num_seqs:
+            return False
+        blocked_by_class: dict[int, set[str] | None] = {}
+        for priority, tenant in tuple(self.tenants):
+            if priority not in blocked_by_class:
+                blocked_by_class[priority] = scheduler.fair_share_blocked(priority)
+            blocked = blocked_by_class[priority]
+            if blocked is not None and tenant not in blocked:
+                return True
+        return False
