@@ -321,3 +321,18 @@ def test_a_tenant_that_claims_a_slot_of_a_full_engine_stops_the_step() -> None:
     assert outs["b"] == _alone(10)
     assert run({5: (DEFAULT, "A")}, 4)[1] == []  # A is the tenant that runs the most
     assert run({5: (DEFAULT, "B")}, 3)[1] == []  # a free slot: B is pulled into it anyway
+
+
+def test_the_sim_backend_stops_a_step_for_a_higher_class_as_the_engine_does() -> None:
+    sim = SimBackend(ModelSettings(max_model_len=1000), EngineSettings(max_num_seqs=4), step_time_ms=200.0)
+    sim.add_request("b", [5, 6, 7], SamplingParams(max_tokens=8), priority=BATCH)
+    sim.note_arrival(BATCH, "t")  # its own class: nothing stops
+    assert [o.new_token_ids for o in sim.step()] == [[5]]
+    sim.note_arrival(DEFAULT, "t")
+    start_s = time.perf_counter()
+    assert sim.step() == [] and sim.num_steps_stopped == 1
+    assert time.perf_counter() - start_s < 0.1  # well before the 200 ms step time
+    sim.note_arrival(None)
+    sim.add_request("d", [8, 9], SamplingParams(max_tokens=2), priority=DEFAULT)
+    sim.note_arrival(INTERACTIVE, "t")  # too soon after the last stop: the step runs
+    assert [(o.request_id, o.new_token_ids, o.first_index) for o in sim.step()] == [("b", [6], 1), ("d", [8], 0)]

@@ -22,6 +22,12 @@ the real engine (``shared.model_source``); with no config no token counts as EOS
 
 KV usage is faked: each sequence slot stands for ``ceil(max_model_len / block_size)``
 blocks, so ``kv_usage = num_running / max_num_seqs``.
+
+Arrivals (``note_arrival``) stop a step as they stop the inferq engine's eager steps
+(``worker/engine/arrivals.py``): a request announced during the step's sleep, of a class
+above the lowest class running, ends the step early (within ``STOP_CHECK_MS``) with no
+token, at most once every ``MIN_STEPS_BETWEEN_STOPS`` + 1 steps. The sim shares no slots
+between tenants, so only the class counts.
 """
 
 from __future__ import annotations
@@ -37,6 +43,10 @@ from shared.protocol import FinishReason
 from shared.sampling import SamplingParams
 from shared.settings import EngineSettings, ModelSettings
 from worker.backends.base import EngineStats, RequestOutput, RequestRejected, check_request
+from worker.engine.arrivals import MIN_STEPS_BETWEEN_STOPS, Arrivals
+
+#: How often a step's sleep looks at the arrivals, ms (the engine: after each layer).
+STOP_CHECK_MS = 2.0
 
 
 @dataclass(slots=True)
@@ -75,6 +85,10 @@ class SimBackend:
         self._known: set[str] = set()  # ids waiting or running
         self.num_steps = 0
         self.num_preemptions = 0
+        self.num_steps_stopped = 0  # steps stopped by an arrival (module docstring)
+        self._steps_since_stop = MIN_STEPS_BETWEEN_STOPS
+        #: What was announced since the worker last pulled (``note_arrival``).
+        self.arrivals = Arrivals()
 
     # -- requests ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -125,26 +139,45 @@ class SimBackend:
         return None
 
     def note_arrival(self, priority: int | None, tenant: str = "") -> None:
-        """Ignored: steps here run whole and none is chained ahead (``EngineBackend``)."""
+        """Record an announcement, or forget them (``None``): a step in progress may stop
+        for it (module docstring; ``EngineBackend``)."""
+        if priority is None:
+            self.arrivals.clear()
+        else:
+            self.arrivals.note(priority, tenant)
 
     # -- the loop ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Admit waiting requests into free slots, emit one token per running request,
-        and take at least ``step_time_ms`` in all (blocking sleep: call it off the loop)."""
+        """Admit waiting requests into free slots, take ``step_time_ms`` (blocking sleep:
+        call it off the loop), and emit one token per running request; or, stopped by an
+        arrival (module docstring), nothing."""
         start_s = time.perf_counter()
         while self._waiting and (len(self._running) < self.max_num_seqs or self._preempt_for(self._waiting[0])):
             request = self._waiting.popleft()
             self._running[request.request_id] = request
+        if self._sleep_unless_stopped(start_s + self.step_time_ms / 1000):
+            self.num_steps_stopped += 1
+            self._steps_since_stop = 0
+            return []
+        self._steps_since_stop += 1
         outputs = [self._advance(r) for r in self._running.values()]
         for out in outputs:
             if out.finish_reason is not None:
                 del self._running[out.request_id]
                 self._known.discard(out.request_id)
         self.num_steps += 1
-        remaining_s = start_s + self.step_time_ms / 1000 - time.perf_counter()
-        if remaining_s > 0:
-            time.sleep(remaining_s)
         return outputs
+
+    def _sleep_unless_stopped(self, end_s: float) -> bool:
+        """Sleep until ``end_s`` (``time.perf_counter``); True, early, when an arrival of
+        a class above the lowest running one stops the step."""
+        lowest = max((r.priority for r in self._running.values()), default=0)
+        stoppable = self._steps_since_stop >= MIN_STEPS_BETWEEN_STOPS
+        while (remaining_s := end_s - time.perf_counter()) > 0:
+            if stoppable and self.arrivals.above(lowest):
+                return True
+            time.sleep(min(remaining_s, STOP_CHECK_MS / 1000))
+        return False
 
     def _enqueue(self, request: _SimRequest, *, ahead: bool) -> None:
         """Insert into the waiting queue in class order: behind its class, or ``ahead``

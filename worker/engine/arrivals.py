@@ -17,7 +17,15 @@ at worst: it can cost one stopped or unchained step, never a lost request.
 
 from __future__ import annotations
 
-from worker.engine.scheduler import Scheduler
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from worker.engine.scheduler import Scheduler
+
+#: Completed steps between two steps stopped for an arrival, so that a stream of
+#: arrivals slows the running work down but never stops it (``LLMEngine._stop_for_arrival``,
+#: the sim backend's step).
+MIN_STEPS_BETWEEN_STOPS = 4
 
 
 class Arrivals:
@@ -40,13 +48,17 @@ class Arrivals:
         self.best = None
         self.tenants = set()
 
+    def above(self, lowest_class: int) -> bool:
+        """True when a request of a class above ``lowest_class`` was announced."""
+        best = self.best
+        return best is not None and best < lowest_class
+
     def preempts(self, scheduler: Scheduler, lowest_class: int) -> bool:
         """True when a newcomer would take the place of work in a step whose lowest class
         is ``lowest_class``: its class is above that one, or the engine is full and its
         tenant may claim a slot of its class (``Scheduler.fair_share_blocked``: neither
         blocked nor ``None``, every tenant blocked)."""
-        best = self.best
-        if best is not None and best < lowest_class:
+        if self.above(lowest_class):
             return True
         if len(scheduler.running) < scheduler.max_num_seqs:
             return False

@@ -15,7 +15,7 @@ from shared.protocol import TokenLogprobs
 from shared.sampling import SamplingParams
 from shared.settings import EngineSettings, ModelSettings
 from worker.backends.base import EngineStats, RequestOutput, RequestRejected, check_request
-from worker.engine.arrivals import Arrivals
+from worker.engine.arrivals import MIN_STEPS_BETWEEN_STOPS, Arrivals
 from worker.engine.block_manager import BlockManager
 from worker.engine.draft_proposer import DraftProposer, draft_num_blocks, load_draft_model
 from worker.engine.kv_calibration import kv_calibration_ids
@@ -31,9 +31,6 @@ from worker.structured.cache import GrammarCache
 from worker.structured.tokenizer import build_tokenizer
 
 log = logging.getLogger(__name__)
-
-#: Completed steps between two steps stopped for an arrival (``_stop_for_arrival``).
-MIN_STEPS_BETWEEN_STOPS = 4
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
