@@ -262,8 +262,9 @@ class FairQueue:
                 self.keys.doorbell(self.model)]
         if request_id_key is not None:
             keys.append(request_id_key)
-        # A class above the lowest is announced on the arrivals channel: a busy worker
-        # running a lower class looks at it before chaining its next decode step.
+        # A class above the lowest is announced on the arrivals channel, with its tenant: a
+        # busy worker may stop its step or withhold a chained one for it, so that its next
+        # pull takes it (worker/engine/arrivals.py).
         rank = class_rank(priority_class)
         arrivals = self.keys.arrivals_channel(self.model) if rank < len(PRIORITY_CLASSES) - 1 else ""
         args: list[Any] = [CONSUMER_GROUP, STREAM_FIELD, COST_FIELD, finish_entry_id, max(1, ttl_s), wire_id,

@@ -16,8 +16,9 @@ Each turn of the loop:
    subscribers) are aborted at the next turn.
 A heartbeat task refreshes ``{ns}:worker:{id}`` with a TTL, carrying the engine's
 progress (``worker/progress.py``: a step that hangs makes the worker read as dead); a
-control task listens for aborts, and for requests queued in a class above the lowest
-(the engine looks at them before chaining an async decode step). On SIGTERM (``drain()``) the worker stops pulling, finishes what it holds, and
+control task listens for aborts, and for announcements of requests queued in a class
+above the lowest, which the engine may stop its step in progress or withhold a chained
+one for, so that the next pull takes them (``worker/engine/arrivals.py``). On SIGTERM (``drain()``) the worker stops pulling, finishes what it holds, and
 returns.
 """
 
@@ -439,6 +440,8 @@ class Worker:
                     if item.get("type") != "message":
                         continue
                     if as_text(item.get("channel", b"")) == arrivals:
+                        if self._draining.is_set():
+                            continue  # it pulls nothing more: stopping a step would only waste it
                         try:
                             self.backend.note_arrival(*parse_arrival(item["data"]))
                         except ValueError as exc:

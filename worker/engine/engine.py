@@ -234,7 +234,7 @@ class LLMEngine:
         wasted token in step N + 1, which is dropped.
 
         Returns ``[]`` with requests still running when an eager step stopped between
-        layers for a higher-class arrival (``_stop_for_arrival``): nothing of it applied.
+        layers for an announced request (``_stop_for_arrival``): nothing of it applied.
         """
         if self._inflight is not None:
             return self._finish_inflight()
@@ -310,10 +310,10 @@ class LLMEngine:
 
     def _finish_inflight(self) -> list[RequestOutput]:
         """Enqueue the next decode step when it can follow the one in flight, then wait
-        for the in-flight step's tokens and apply them. While a class above the lowest
-        running one exists, the next step is prepared, and replayed once the one in flight
-        has run only if no request of a higher class was announced meanwhile
-        (``note_arrival``): the late look."""
+        for the in-flight step's tokens and apply them. The late look (not under tensor
+        parallelism): the next step is prepared, and replayed once the one in flight has
+        run only if no request was announced meanwhile that would take the place of its
+        work (``note_arrival``, ``Arrivals.preempts``)."""
         out, launch = self._inflight  # type: ignore[misc]
         if not self.scheduler.can_schedule_next_decode(out):
             self._inflight = None
