@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import llguidance
-import llguidance.torch
 import numpy as np
 import torch
 
@@ -56,7 +55,7 @@ class GrammarMasks:
         # Rows 0 .. m - 1: the grammars; m + j: the number cap of grammar ``capped[j]``.
         bitmask = torch.empty((m + len(caps), num_words(self.vocab_size)), dtype=torch.int32, pin_memory=pin)
         matchers = [(g.matcher, k) for k, g in enumerate(used)] + [(cap, m + j) for j, (_, cap) in enumerate(caps)]
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, matchers, bitmask)
+        _fill_bitmask(self._executor, matchers, bitmask)
         if capped:
             _intersect_caps(bitmask, capped)
         return TokenMask(bitmask[:m].to(self.device, non_blocking=True),
@@ -71,3 +70,12 @@ def _intersect_caps(bitmask: torch.Tensor, capped: list[int]) -> None:
     both = words[rows] & words[words.shape[0] - len(capped):]
     some = both.any(axis=1)
     words[rows[some]] = both[some]
+
+
+def _fill_bitmask(executor: llguidance.LLExecutor, matchers: Sequence[tuple[object, int]], bitmask: torch.Tensor) -> None:
+    """``llguidance.torch.fill_next_token_bitmask_par``, imported on the first grammar:
+    ``llguidance.torch`` loads ``torch._dynamo``, about 1.5 s that every worker start
+    would pay otherwise."""
+    import llguidance.torch
+
+    llguidance.torch.fill_next_token_bitmask_par(executor, matchers, bitmask)
