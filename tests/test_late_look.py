@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -213,32 +214,42 @@ def _tiny_engine(prefix_caching: bool = True) -> Any:
 
 def _stopped_run(engine: Any, arrive_before: dict[int, int],
                  added_max_tokens: int = 3) -> tuple[dict[str, list[int]], list[int]]:
-    """Three batch requests (two share a prompt, so prefix caching has blocks to find);
-    before step ``k`` in ``arrive_before``, ``note_arrival`` of that class; after every
-    step, as the worker before its pull, the note is forgotten, and after a step that
-    returned nothing, a request of that class (``added_max_tokens``) is added (the pull).
-    Returns the tokens by request and the steps that returned nothing."""
+    """Three batch requests (two share a prompt, so prefix caching has blocks to find),
+    driven by ``_drive`` with a note of class ``arrive_before[k]`` before step ``k``; the
+    request pulled after a step that returned nothing is ``i<step>`` of that class
+    (``added_max_tokens``)."""
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = {"b0": [9, 8, 7, 6, 5, 4, 3, 2, 1], "b1": [9, 8, 7, 6, 5, 4, 3, 2, 1], "b2": [11, 12, 13]}
     for rid, prompt in prompts.items():
         engine.add_request(rid, prompt, greedy, priority=BATCH)
+    added = SamplingParams(max_tokens=added_max_tokens, temperature=0.0, ignore_eos=True)
+    return _drive(engine, {k: (c, "") for k, c in arrive_before.items()},
+                  lambda step: engine.add_request(f"i{step}", [21, 22, 23, 24, 25], added,
+                                                  priority=arrive_before[step]))
+
+
+def _drive(engine: Any, notes: dict[int, tuple[int, str]],
+           pull: Callable[[int], None]) -> tuple[dict[str, list[int]], list[int]]:
+    """Step ``engine`` to the end as its worker would: before step ``k`` in ``notes``,
+    ``note_arrival(*notes[k])``; after every step the notes are forgotten (the worker does
+    so before each pull), and after a step that returned nothing ``pull(step)`` adds the
+    announced request. Returns the tokens by request and the steps that returned nothing;
+    every block is free at the end."""
     outs: dict[str, list[int]] = {}
     empty = []
     for step in range(200):
         if not engine.has_unfinished_requests():
             break
-        if step in arrive_before:
-            engine.note_arrival(arrive_before[step])
+        if step in notes:
+            engine.note_arrival(*notes[step])
         got = engine.step()
         for out in got:
             assert out.first_index == len(outs.setdefault(out.request_id, []))
             outs[out.request_id] += out.new_token_ids
-        engine.note_arrival(None)  # the worker forgets its notes before every pull
+        engine.note_arrival(None)
         if not got:
             empty.append(step)
-            engine.add_request(f"i{step}", [21, 22, 23, 24, 25],
-                               SamplingParams(max_tokens=added_max_tokens, temperature=0.0, ignore_eos=True),
-                               priority=arrive_before[step])
+            pull(step)
     stats = engine.stats()
     assert stats.num_free_blocks == stats.num_blocks and not engine.has_unfinished_requests()
     return outs, empty
@@ -297,22 +308,8 @@ def test_a_tenant_that_claims_a_slot_of_a_full_engine_stops_the_step() -> None:
         greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
         for k in range(num_a):
             engine.add_request(f"a{k}", [30 + k, 31, 32, 33], greedy, priority=DEFAULT, tenant="A")
-        outs: dict[str, list[int]] = {}
-        empty = []
-        for step in range(200):
-            if not engine.has_unfinished_requests():
-                break
-            if step in notes:
-                engine.note_arrival(*notes[step])
-            got = engine.step()
-            for out in got:
-                outs.setdefault(out.request_id, []).extend(out.new_token_ids)
-            engine.note_arrival(None)
-            if not got:
-                empty.append(step)
-                engine.add_request("b", [21, 22, 23, 24, 25], greedy, priority=DEFAULT, tenant="B")
-        assert engine.stats().num_free_blocks == engine.stats().num_blocks
-        return outs, empty
+        return _drive(engine, notes,
+                      lambda step: engine.add_request("b", [21, 22, 23, 24, 25], greedy, priority=DEFAULT, tenant="B"))
 
     plain, _ = run({}, 4)
     outs, empty = run({5: (DEFAULT, "B")}, 4)

@@ -26,7 +26,7 @@ blocks, so ``kv_usage = num_running / max_num_seqs``.
 Arrivals (``note_arrival``) stop a step as they stop the inferq engine's eager steps
 (``worker/engine/arrivals.py``): a request announced during the step's sleep, of a class
 above the lowest class running, ends the step early (within ``STOP_CHECK_MS``) with no
-token, at most once every ``MIN_STEPS_BETWEEN_STOPS`` + 1 steps. The sim shares no slots
+token, as often as ``Arrivals.may_stop`` allows. The sim shares no slots
 between tenants, so only the class counts.
 """
 
@@ -43,7 +43,7 @@ from shared.protocol import FinishReason
 from shared.sampling import SamplingParams
 from shared.settings import EngineSettings, ModelSettings
 from worker.backends.base import EngineStats, RequestOutput, RequestRejected, check_request
-from worker.engine.arrivals import MIN_STEPS_BETWEEN_STOPS, Arrivals
+from worker.engine.arrivals import Arrivals
 
 #: How often a step's sleep looks at the arrivals, ms (the engine: after each layer).
 STOP_CHECK_MS = 2.0
@@ -86,7 +86,6 @@ class SimBackend:
         self.num_steps = 0
         self.num_preemptions = 0
         self.num_steps_stopped = 0  # steps stopped by an arrival (module docstring)
-        self._steps_since_stop = MIN_STEPS_BETWEEN_STOPS
         #: What was announced since the worker last pulled (``note_arrival``).
         self.arrivals = Arrivals()
 
@@ -141,10 +140,7 @@ class SimBackend:
     def note_arrival(self, priority: int | None, tenant: str = "") -> None:
         """Record an announcement, or forget them (``None``): a step in progress may stop
         for it (module docstring; ``EngineBackend``)."""
-        if priority is None:
-            self.arrivals.clear()
-        else:
-            self.arrivals.note(priority, tenant)
+        self.arrivals.note(priority, tenant)
 
     # -- the loop ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -157,9 +153,9 @@ class SimBackend:
             self._running[request.request_id] = request
         if self._sleep_unless_stopped(start_s + self.step_time_ms / 1000):
             self.num_steps_stopped += 1
-            self._steps_since_stop = 0
+            self.arrivals.step_ended(stopped=True)
             return []
-        self._steps_since_stop += 1
+        self.arrivals.step_ended(stopped=False)
         outputs = [self._advance(r) for r in self._running.values()]
         for out in outputs:
             if out.finish_reason is not None:
@@ -172,7 +168,7 @@ class SimBackend:
         """Sleep until ``end_s`` (``time.perf_counter``); True, early, when an arrival of
         a class above the lowest running one stops the step."""
         lowest = max((r.priority for r in self._running.values()), default=0)
-        stoppable = self._steps_since_stop >= MIN_STEPS_BETWEEN_STOPS
+        stoppable = self.arrivals.may_stop
         while (remaining_s := end_s - time.perf_counter()) > 0:
             if stoppable and self.arrivals.above(lowest):
                 return True

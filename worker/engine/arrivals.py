@@ -9,8 +9,11 @@ of a tenant that may claim a sequence slot from another tenant of its class (fai
 slots, ``fair_share.py``). For either, the engine stops an eager step between layers or
 withholds a chained async decode step, so the worker pulls the newcomer one step sooner.
 
-Written by the worker's event loop (``note``, ``clear``), read on the engine thread
-(``preempts``): plain attribute stores and a set that is copied before it is read, each
+It also spaces the stops (``may_stop``, ``step_ended``): at most one every
+``MIN_STEPS_BETWEEN_STOPS`` + 1 steps, for the engine and the sim backend alike.
+
+Written by the worker's event loop (``note``), read on the engine thread (``above``,
+``preempts``): one set, rebound to clear it and copied before it is read, each step
 atomic under the GIL. A note that lands just after the worker's pull is stale by one step
 at worst: it can cost one stopped or unchained step, never a lost request.
 """
@@ -29,29 +32,33 @@ MIN_STEPS_BETWEEN_STOPS = 4
 
 
 class Arrivals:
-    """The announcements since the worker last pulled."""
+    """The announcements since the worker last pulled, and the steps since the last stop."""
 
     def __init__(self) -> None:
-        #: The highest class (smallest rank) announced; None: none.
-        self.best: int | None = None
         #: ``(class rank, tenant)`` of every announcement.
         self.tenants: set[tuple[int, str]] = set()
+        self.steps_since_stop = MIN_STEPS_BETWEEN_STOPS
 
-    def note(self, priority: int, tenant: str = "") -> None:
-        """A request of class rank ``priority`` from ``tenant`` was queued."""
-        self.tenants.add((priority, tenant))
-        if self.best is None or priority < self.best:
-            self.best = priority
-
-    def clear(self) -> None:
-        """The worker is about to pull: what was announced so far, the pull sees."""
-        self.best = None
-        self.tenants = set()
+    def note(self, priority: int | None, tenant: str = "") -> None:
+        """A request of class rank ``priority`` from ``tenant`` was queued; ``None``: the
+        worker is about to pull, and what was announced so far, the pull sees."""
+        if priority is None:
+            self.tenants = set()
+        else:
+            self.tenants.add((priority, tenant))
 
     def above(self, lowest_class: int) -> bool:
         """True when a request of a class above ``lowest_class`` was announced."""
-        best = self.best
-        return best is not None and best < lowest_class
+        return any(priority < lowest_class for priority, _ in tuple(self.tenants))
+
+    @property
+    def may_stop(self) -> bool:
+        """True when ``MIN_STEPS_BETWEEN_STOPS`` steps completed since the last stop."""
+        return self.steps_since_stop >= MIN_STEPS_BETWEEN_STOPS
+
+    def step_ended(self, stopped: bool) -> None:
+        """Count a step that completed, or restart the count after a stopped one."""
+        self.steps_since_stop = 0 if stopped else self.steps_since_stop + 1
 
     def preempts(self, scheduler: Scheduler, lowest_class: int) -> bool:
         """True when a newcomer would take the place of work in a step whose lowest class

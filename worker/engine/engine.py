@@ -15,7 +15,7 @@ from shared.protocol import TokenLogprobs
 from shared.sampling import SamplingParams
 from shared.settings import EngineSettings, ModelSettings
 from worker.backends.base import EngineStats, RequestOutput, RequestRejected, check_request
-from worker.engine.arrivals import MIN_STEPS_BETWEEN_STOPS, Arrivals
+from worker.engine.arrivals import Arrivals
 from worker.engine.block_manager import BlockManager
 from worker.engine.draft_proposer import DraftProposer, draft_num_blocks, load_draft_model
 from worker.engine.kv_calibration import kv_calibration_ids
@@ -138,10 +138,8 @@ class LLMEngine:
         # What was announced since the worker last pulled (``note_arrival``).
         self.arrivals = Arrivals()
         self.num_chains_withheld = 0  # decode steps not chained for an arrival (``_finish_inflight``)
-        # The lowest class (largest rank) of the step in progress, and the steps completed
-        # since one was stopped, for ``_stop_for_arrival``.
+        # The lowest class (largest rank) of the step in progress, for ``_stop_for_arrival``.
         self._step_lowest_class = 0
-        self._steps_since_stop = MIN_STEPS_BETWEEN_STOPS
         self.num_steps_stopped = 0  # eager steps stopped between layers for an arrival
         if self.runner.step_sync is None and self.proposer is None:
             self.runner.step_stop = self._stop_for_arrival
@@ -217,10 +215,7 @@ class LLMEngine:
         the worker is about to pull: forget earlier notes. Called from the worker's event
         loop while a step may run (``worker/engine/arrivals.py``); read by the engine
         thread (``_stop_for_arrival``, ``_finish_inflight``)."""
-        if priority is None:
-            self.arrivals.clear()
-        else:
-            self.arrivals.note(priority, tenant)
+        self.arrivals.note(priority, tenant)
 
     # -- the loop ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -259,9 +254,9 @@ class LLMEngine:
             # in ``update`` only). The worker pulls the newcomer, which the priority floor
             # prefills in a step without the lower classes next.
             self.num_steps_stopped += 1
-            self._steps_since_stop = 0
+            self.arrivals.step_ended(stopped=True)
             return []
-        self._steps_since_stop += 1
+        self.arrivals.step_ended(stopped=False)
         if self.proposer is not None:
             for item, tokens in zip(out.scheduled, sampled):
                 if item.num_spec_tokens and isinstance(tokens, list):
@@ -363,13 +358,12 @@ class LLMEngine:
         request announced while it ran would take the place of work it carries
         (``Arrivals.preempts``: a class above the step's lowest one, whose prefill step the
         scheduler's priority floor keeps that class out of, or a tenant that claims a slot
-        of a full engine), and at least ``MIN_STEPS_BETWEEN_STOPS`` steps completed since
-        the last stop, so that a stream of arrivals slows the others down but never stops
+        of a full engine), and enough steps completed since the last stop
+        (``Arrivals.may_stop``), so that a stream of arrivals slows the others down but never stops
         them. On CPU a step of 16 sequences takes ~80 ms on 2 cores, longer than a short
         prompt's prefill (docs/benchmarks.md): the newcomer then waits for a layer, not
         for the rest of that step."""
-        return (self._steps_since_stop >= MIN_STEPS_BETWEEN_STOPS
-                and self.arrivals.preempts(self.scheduler, self._step_lowest_class))
+        return self.arrivals.may_stop and self.arrivals.preempts(self.scheduler, self._step_lowest_class)
 
     def stats(self) -> EngineStats:
         return self.scheduler.make_stats()
