@@ -223,7 +223,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         folder, _ = build_model_folder(args.dummy_model, logs / "model", args.tokenizer_dir)
         model = ["--model", str(folder), "--served-model-name", MODEL]
     gateway = start("gateway", server.url, "--port", str(port), "--max-queue-len", "100000", *model,
-                    "--files-dir", str(files_dir), "--log-level", "warning", log_path=logs / "gateway.log")
+                    "--files-dir", str(files_dir), "--log-level", "warning", "--workers", str(args.gateway_workers),
+                    log_path=logs / "gateway.log")
     batch_worker = start("batch-worker", server.url, "--files-dir", str(files_dir), "--batch-gateway-url", base_url,
                          "--log-level", "warning", log_path=logs / "batch-worker.log")
     if args.backend == "sim":
@@ -296,6 +297,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-workers", type=int, default=2)
     parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--gateway-workers", type=int, default=1,
+                        help="gateway processes on the one port (`inferq gateway --workers`)")
     parser.add_argument("--step-time-ms", type=float, default=20.0)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--num-flood", type=int, default=500)

@@ -121,6 +121,10 @@ class EngineSettings:
         "(at least 512; 0: no cap), which bounds the inter-token latency a long prompt adds"))
     mixed_cuda_graphs: bool = field(default=True, metadata=_doc(
         "With CUDA graphs, also capture steps that carry prefill chunks (one graph per token-count bucket)"))
+    graph_pieces: int = field(default=4, metadata=_doc(
+        "With CUDA graphs, capture each step as this many graphs over ranges of layers; between them the "
+        "engine may drop the step for a request of a higher class (1: whole steps; docs/operations.md, "
+        "\"Stopping the step in progress\")"))
     cpu_threads: int = field(default=0, metadata=_doc(
         "Intra-op threads on CPU (0: OMP_NUM_THREADS if set, else every core)"))
     sim_step_time_ms: float = field(default=20.0, metadata=_doc(
@@ -144,7 +148,7 @@ class EngineSettings:
     def __post_init__(self) -> None:
         """Raises: SettingsError: a value that is not allowed."""
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_speculative_tokens",
-                     "speculative_ngram_min"):
+                     "speculative_ngram_min", "graph_pieces"):
             _require_at_least(self, name, 1)
         _require(self, "tensor_parallel_size", 1 <= self.tensor_parallel_size <= 64, "must be 1 to 64")
         _require_one_of(self, "speculative_method", ("off", "ngram", "draft"))

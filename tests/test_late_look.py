@@ -107,11 +107,12 @@ async def test_the_worker_hands_an_arrival_to_the_engine_while_a_step_runs(clien
     assert (None, step + 1, False) in backend.notes
 
 
-def _engine(async_scheduling: bool = True) -> Any:
+def _engine(async_scheduling: bool = True, graph_pieces: int = 1) -> Any:
     from worker.llm import LLM
 
     llm = LLM(model="SmolLM2-135M", load_format="dummy", dtype="float32", device="cuda", num_kv_blocks=256,
-              max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512, async_scheduling=async_scheduling)
+              max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512, async_scheduling=async_scheduling,
+              graph_pieces=graph_pieces)
     return llm
 
 
@@ -146,34 +147,41 @@ def _run(llm: Any, arrive_at: dict[int, int | None]) -> tuple[dict[str, list[int
 
 
 @pytest.mark.cuda
-def test_a_higher_class_arrival_withholds_one_chained_step_and_changes_no_token() -> None:
-    llm = _engine()
+@pytest.mark.parametrize("pieces", [1, 2])
+def test_a_higher_class_arrival_withholds_one_chained_step_and_changes_no_token(pieces: int) -> None:
+    """Whole graphs: the late look withholds the chained step. In two pieces: the look
+    between them drops the step in flight before the late look comes (the note is there
+    from the start)."""
+    llm = _engine(graph_pieces=pieces)
     plain, _, withheld = _run(llm, {})
-    assert withheld == 0 and llm.engine.num_async_steps > 0
+    assert withheld == 0 and llm.engine.num_async_steps > 0 and llm.engine.num_steps_stopped == 0
+    assert llm.engine.runner.decode_pieces == pieces
     for arrival in (INTERACTIVE, DEFAULT):
-        llm = _engine()
+        llm = _engine(graph_pieces=pieces)
         engine = llm.engine
         outs, _, _ = _run(llm, {6: arrival})
-        assert engine.num_chains_withheld == 1, arrival
+        assert (engine.num_chains_withheld, engine.num_steps_stopped) == ((1, 0) if pieces == 1 else (0, 1)), arrival
         assert {k: v for k, v in outs.items() if k != "i"} == plain  # greedy, unchanged
         assert len(outs["i"]) == 4
+        assert engine.runner.num_eager_steps == 0  # every step a replay
     # A request of the running class, or a note forgotten by the pull, withholds nothing.
-    llm = _engine()
+    llm = _engine(graph_pieces=pieces)
     llm.engine.note_arrival(BATCH)
     llm.engine.note_arrival(INTERACTIVE)
     llm.engine.note_arrival(None)
     outs, _, withheld = _run(llm, {})
-    assert withheld == 0 and outs == plain
+    assert withheld == 0 and llm.engine.num_steps_stopped == 0 and outs == plain
 
 
 @pytest.mark.cuda
-def test_withheld_step_lets_the_newcomer_prefill_in_the_next_step() -> None:
+@pytest.mark.parametrize("pieces", [1, 2])
+def test_withheld_step_lets_the_newcomer_prefill_in_the_next_step(pieces: int) -> None:
     """Step by step: without the note the interactive request, added after step 6 (the
     worker's pull), waits one more step (the one chained during step 6) before its
     prefill; with it, its prefill is the very next step."""
 
     def first_token_step(arrival: int | None) -> int:
-        llm = _engine()
+        llm = _engine(graph_pieces=pieces)
         engine = llm.engine
         greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
         for i in range(4):
@@ -193,6 +201,63 @@ def test_withheld_step_lets_the_newcomer_prefill_in_the_next_step() -> None:
 
     assert first_token_step(INTERACTIVE) == 1
     assert first_token_step(None) == 2
+
+
+@pytest.mark.cuda
+def test_a_replayed_step_stops_between_its_pieces_and_changes_no_token() -> None:
+    """The CUDA engine with steps in two pieces, driven as the CPU test below: the prefill
+    (a mixed-step replay) and a chained decode (a decode replay) each stop after their
+    first piece for an interactive note, nothing of them is applied, and every token is
+    the whole-graph engine's; the stops happen in replays, not eager steps."""
+    from worker.engine.engine import LLMEngine
+    from worker.llm import LLM
+
+    def run(pieces: int, notes: dict[int, tuple[int, str]]) -> tuple[LLMEngine, dict[str, list[int]], list[int]]:
+        engine = _engine(graph_pieces=pieces).engine
+        greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        for rid, prompt in {"b0": [9, 8, 7, 6, 5, 4, 3, 2, 1], "b1": [9, 8, 7, 6, 5, 4, 3, 2, 1],
+                            "b2": [11, 12, 13]}.items():
+            engine.add_request(rid, prompt, greedy, priority=BATCH)
+        added = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        outs, empty = _drive(engine, notes, lambda step: engine.add_request(
+            f"i{step}", [21, 22, 23, 24, 25], added, priority=INTERACTIVE))
+        return engine, outs, empty
+
+    _, plain, _ = run(1, {})
+    engine, outs, empty = run(2, {0: (INTERACTIVE, ""), 8: (INTERACTIVE, "")})
+    assert empty == [0, 8] and engine.num_steps_stopped == 2 and engine.runner.num_eager_steps == 0
+    assert engine.runner.mixed is not None and engine.runner.mixed.num_replays > 0
+    assert {k: v for k, v in outs.items() if k.startswith("b")} == plain
+    alone = LLM(model="SmolLM2-135M", load_format="dummy", dtype="float32", device="cuda", num_kv_blocks=256,
+                max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512, graph_pieces=1)
+    ref = alone.generate([[21, 22, 23, 24, 25]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert outs["i0"] == outs["i8"] == list(ref[0].token_ids)
+
+
+@pytest.mark.cuda
+def test_decode_and_mixed_graphs_in_pieces_give_the_whole_graphs_logits() -> None:
+    """The same steps replayed whole and in three pieces (the hidden state crossing in the
+    carry buffers) give the same logits, bit for bit."""
+    import torch
+
+    logits = {}
+    for pieces in (1, 3):
+        llm = _engine(graph_pieces=pieces)
+        runner = llm.engine.runner
+        assert len(runner.graphs.pieces) == len(runner.mixed.pieces) == pieces
+        engine = llm.engine
+        for i in range(3):
+            engine.add_request(f"r{i}", list(range(3 + i, 40 + 7 * i)),
+                               SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+        out = engine.scheduler.schedule()  # the prefill: a mixed step
+        rows = runner.mixed.run(out.scheduled)
+        mixed_logits = engine.runner.model.compute_logits(rows).clone()
+        requests = [item.request for item in out.scheduled]
+        positions = [r.num_prompt_tokens - 1 for r in requests]
+        decode = runner._decode_logits(requests, positions, [r.token_ids[-1] for r in requests]).clone()
+        torch.cuda.synchronize()
+        logits[pieces] = (mixed_logits, decode)
+    assert torch.equal(logits[1][0], logits[3][0]) and torch.equal(logits[1][1], logits[3][1])
 
 
 # -- the same arrival stops an eager step between layers (the CPU engine) -------------------
@@ -333,3 +398,51 @@ def test_the_sim_backend_stops_a_step_for_a_higher_class_as_the_engine_does() ->
     sim.add_request("d", [8, 9], SamplingParams(max_tokens=2), priority=DEFAULT)
     sim.note_arrival(INTERACTIVE, "t")  # too soon after the last stop: the step runs
     assert [(o.request_id, o.new_token_ids, o.first_index) for o in sim.step()] == [("b", [6], 1), ("d", [8], 0)]
+
+
+def test_layer_pieces_run_in_turn_give_the_whole_pass() -> None:
+    """``LayerPieces`` (what each piece's graph captures; CPU here, eager): the pieces run
+    one after the other, the hidden state crossing in the carry buffers, give the whole
+    forward pass's hidden states exactly, and split the layers evenly."""
+    import torch
+
+    from worker.engine.cuda_graphs import LayerPieces, piece_bounds
+
+    assert piece_bounds(4, 3) == [(0, 2), (2, 3), (3, 4)] and piece_bounds(2, 5) == [(0, 1), (1, 2)]
+    with pytest.raises(ValueError):
+        piece_bounds(4, 0)
+    engine = _tiny_engine()
+    engine.add_request("r", list(range(3, 20)), SamplingParams(max_tokens=2))
+    out = engine.scheduler.schedule()
+    runner = engine.runner
+    ids, pos, meta, _ = runner.prepare(out.scheduled)
+    model = runner.model
+    with torch.inference_mode():
+        whole = model(ids, pos, runner.kv_caches, meta, runner.backend)
+        pieces = LayerPieces(model, 3, 32, torch.device("cpu"))
+        got = [pieces.forward(model, k, ids, pos, runner.kv_caches, meta, runner.backend) for k in range(3)]
+    assert got[0] is None and got[1] is None
+    assert torch.equal(got[2], whole)
+    assert pieces.indices() == [0, 1, 2] and LayerPieces(model, 1, 32, torch.device("cpu")).indices() == [None]
+
+
+def test_the_engine_looks_between_pieces_only_after_traffic_that_could_preempt() -> None:
+    """``Arrivals.worth_looking``: a class above the step's lowest one announced within
+    ``LOOK_WINDOW_S``, or a second tenant while the engine is full; a worker that serves
+    one tenant in one class (the product benchmark) never waits between pieces."""
+    from worker.engine.arrivals import LOOK_WINDOW_S, Arrivals
+
+    now = [100.0]
+    arrivals = Arrivals(clock=lambda: now[0])
+    assert not arrivals.worth_looking(BATCH, engine_full=True)
+    arrivals.note(DEFAULT, "a")
+    arrivals.note(None)  # a pull forgets the notes, not when they came
+    assert not arrivals.worth_looking(DEFAULT, engine_full=True)  # its own class, one tenant
+    assert arrivals.worth_looking(BATCH, engine_full=False)
+    arrivals.note(DEFAULT, "b")
+    assert arrivals.worth_looking(DEFAULT, engine_full=True) and not arrivals.worth_looking(DEFAULT, False)
+    now[0] += LOOK_WINDOW_S + 1
+    assert not arrivals.worth_looking(BATCH, engine_full=True)
+    for k in range(100):  # many tenants: the most recent are remembered
+        arrivals.note(DEFAULT, f"t{k}")
+    assert arrivals.worth_looking(DEFAULT, engine_full=True)

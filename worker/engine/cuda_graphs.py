@@ -20,6 +20,15 @@ capture. A hint far above the real context wastes programs and the split reducti
 4096, 6.27 ms at 512), so each bucket is captured once per context tier
 (512, 2048, 8192, ... up to ``max_seq_len``) and a step replays the smallest tier that
 holds its longest sequence.
+
+Pieces: a step may be captured as ``pieces`` graphs over consecutive ranges of layers
+(``piece_bounds``), replayed one after the other. Between two pieces the host can wait
+for the first and decide whether the step goes on: the engine drops it there when a
+request announced meanwhile would take its place (docs/operations.md, "Stopping the step
+in progress"), so a newcomer waits for part of a step, not the rest of a whole one. The
+hidden state crosses from piece to piece in two buffers outside the graph pool
+(``carry_x``, ``carry_residual``); each boundary costs the GPU the host's wake-up and
+one graph launch.
 """
 
 from __future__ import annotations
@@ -44,6 +53,115 @@ def context_tiers(max_seq_len: int) -> list[int]:
         tiers.append(t)
         t *= 4
     return tiers + [max_seq_len]
+
+
+def piece_bounds(num_layers: int, pieces: int) -> list[tuple[int, int]]:
+    """``pieces`` consecutive layer ranges ``[start, end)`` covering ``num_layers`` layers,
+    as equal as they can be (the first ones one layer longer); fewer when the model has
+    fewer layers.
+
+    Raises:
+        ValueError: ``pieces`` < 1.
+    """
+    if pieces < 1:
+        raise ValueError(f"pieces must be >= 1, got {pieces}")
+    pieces = min(pieces, num_layers)
+    size, extra = divmod(num_layers, pieces)
+    bounds, start = [], 0
+    for k in range(pieces):
+        end = start + size + (1 if k < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+class LayerPieces:
+    """A step's layers cut into pieces (``piece_bounds``) and the buffers that carry the
+    hidden state from one piece to the next: ``[max_tokens, hidden_size]`` each, in the
+    model's dtype, outside any graph pool (one step runs at a time, so every bucket's
+    graphs share them). With one piece there is nothing to carry."""
+
+    def __init__(self, model: LlamaForCausalLM, pieces: int, max_tokens: int, device: torch.device) -> None:
+        self.bounds = piece_bounds(len(model.layers), pieces)
+        self.carry_x: torch.Tensor | None = None
+        self.carry_residual: torch.Tensor | None = None
+        if len(self.bounds) > 1:
+            shape, dtype = (max_tokens, model.config.hidden_size), model.embed_tokens.weight.dtype
+            self.carry_x = torch.zeros(shape, dtype=dtype, device=device)
+            self.carry_residual = torch.zeros(shape, dtype=dtype, device=device)
+
+    def __len__(self) -> int:
+        return len(self.bounds)
+
+    def indices(self) -> list[int | None]:
+        """What ``forward`` takes to run a step whole: ``[None]`` (one piece), else each
+        piece's index."""
+        return [None] if len(self.bounds) == 1 else list(range(len(self.bounds)))
+
+    def forward(self, model: LlamaForCausalLM, piece: int | None, ids: torch.Tensor, pos: torch.Tensor,
+                kv_caches: list[KVCache], meta: AttentionMetadata, backend: AttentionBackend
+                ) -> torch.Tensor | None:
+        """Run the whole pass (``piece`` None) or one piece over ``num_tokens`` tokens
+        (``ids``, ``pos``: ``[num_tokens]`` int64): the hidden states ``[num_tokens,
+        hidden_size]`` after the final norm, or None for a piece before the last (its
+        output waits in the carry buffers)."""
+        if piece is None:
+            return model(ids, pos, kv_caches, meta, backend)
+        assert self.carry_x is not None and self.carry_residual is not None
+        n = ids.shape[0]
+        start, end = self.bounds[piece]
+        if piece == 0:
+            x, residual = model.embed(ids), None
+        else:
+            x, residual = self.carry_x[:n], self.carry_residual[:n]
+        x, residual = model.run_layers(x, residual, pos, kv_caches, meta, backend, start, end)
+        if piece + 1 == len(self.bounds):
+            return model.final_norm(x, residual, backend)
+        assert residual is not None
+        self.carry_x[:n].copy_(x)
+        self.carry_residual[:n].copy_(residual)
+        return None
+
+
+class PiecewiseReplay:
+    """One step being replayed piece by piece (``DecodeGraphs.begin``,
+    ``MixedGraphs.begin``).
+
+    ``remaining`` pieces are still to be replayed; ``wait()`` blocks until the pieces
+    replayed so far have run on the GPU, ``replay_next()`` enqueues the next one. Once
+    none remains, ``output`` (the step's logits or hidden rows, a view of the graphs'
+    output buffer) is enqueued. A step dropped halfway leaves KV written for its first
+    layers only, at slots that its requests write again when they compute those
+    positions; nothing else of it is kept."""
+
+    def __init__(self, graphs: list[torch.cuda.CUDAGraph], output: torch.Tensor,
+                 done: torch.cuda.Event | None) -> None:
+        self._graphs = graphs
+        self._next = 0
+        self.output = output
+        self._done = done  # recorded after each piece but the last (None: a single piece)
+
+    @property
+    def remaining(self) -> int:
+        return len(self._graphs) - self._next
+
+    def replay_next(self) -> None:
+        self._graphs[self._next].replay()
+        self._next += 1
+        if self.remaining:
+            assert self._done is not None
+            self._done.record()
+
+    def wait(self) -> None:
+        """Block until the pieces replayed so far have run."""
+        if self._done is not None:
+            self._done.synchronize()
+
+    def finish(self) -> torch.Tensor:
+        """Replay every piece left, without looking; returns ``output``."""
+        while self.remaining:
+            self.replay_next()
+        return self.output
 
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:
@@ -114,17 +232,22 @@ class StaticInputs:
 
 class DecodeGraphs:
     """Captured decode graphs of one model, KV cache and backend; ``run(n)`` replays
-    the smallest bucket that holds ``n`` sequences and returns their logits."""
+    the smallest bucket that holds ``n`` sequences and returns their logits, ``begin(n)``
+    its first piece only (``pieces`` > 1; under tensor parallelism keep 1: every rank
+    must run each pass whole)."""
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], backend: AttentionBackend,
-                 max_num_seqs: int, max_blocks_per_seq: int, max_seq_len: int, device: torch.device) -> None:
+                 max_num_seqs: int, max_blocks_per_seq: int, max_seq_len: int, device: torch.device,
+                 pieces: int = 1) -> None:
         self.model, self.kv_caches, self.backend = model, kv_caches, backend
         self.max_seq_len = max_seq_len
         self.tiers = context_tiers(max_seq_len)
         self.buckets = bucket_sizes(max_num_seqs)
         self.inputs = StaticInputs(max_num_seqs, max_blocks_per_seq, device)
-        # Keyed by (context tier, batch bucket).
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.pieces = LayerPieces(model, pieces, max_num_seqs, device)
+        # Keyed by (context tier, batch bucket): the step's graphs, one per piece.
+        self.graphs: dict[tuple[int, int], list[torch.cuda.CUDAGraph]] = {}
+        self._piece_done = torch.cuda.Event() if len(self.pieces) > 1 else None
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
         self.capture_time_s = 0.0
         self.num_captures = 0  # graphs captured since start-up (the warm-up test reads it)
@@ -134,10 +257,26 @@ class DecodeGraphs:
     def max_batch_size(self) -> int:
         return self.buckets[-1]
 
-    def _forward(self, b: int, tier: int) -> torch.Tensor:
+    def _forward(self, b: int, tier: int, piece: int | None = None) -> torch.Tensor | None:
+        """The step of bucket ``b`` at context tier ``tier`` (what a graph captures),
+        whole (``piece`` None) or one piece: the logits ``[b, vocab]`` float32 after the
+        last piece, None before it."""
         ids, pos, meta = self.inputs.views(b, tier)
-        hidden = self.model(ids, pos, self.kv_caches, meta, self.backend)
-        return self.model.compute_logits(hidden)
+        hidden = self.pieces.forward(self.model, piece, ids, pos, self.kv_caches, meta, self.backend)
+        return None if hidden is None else self.model.compute_logits(hidden)
+
+    def _capture_step(self, b: int, tier: int, pool: tuple[int, int]) -> None:
+        """Capture the step of bucket ``b`` at ``tier`` as one graph per piece."""
+        graphs = []
+        for piece in self.pieces.indices():
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._forward(b, tier, piece)
+            if logits is not None:
+                self.logits[tier, b] = logits
+            graphs.append(graph)
+            self.num_captures += 1
+        self.graphs[tier, b] = graphs
 
     @torch.inference_mode()
     def capture(self, pool: tuple[int, int] | None = None) -> None:
@@ -156,31 +295,35 @@ class DecodeGraphs:
         with torch.cuda.stream(stream):  # warm-up: Triton compiles, cuBLAS picks kernels
             for tier in self.tiers:
                 for b in self.buckets:
-                    self._forward(b, tier)
+                    for piece in self.pieces.indices():
+                        self._forward(b, tier, piece)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         for tier in reversed(self.tiers):
             for b in reversed(self.buckets):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.logits[tier, b] = self._forward(b, tier)
-                self.graphs[tier, b] = graph
-                self.num_captures += 1
+                self._capture_step(b, tier, pool)
         torch.cuda.synchronize()
         self.capture_time_s = time.perf_counter() - t0
-        log.info("captured %d decode CUDA graphs (batch %s x context %s) in %.1f s", len(self.graphs),
-                 self.buckets, self.tiers, self.capture_time_s)
+        log.info("captured %d decode CUDA graphs (batch %s x context %s, %d piece(s) each) in %.1f s",
+                 self.num_captures, self.buckets, self.tiers, len(self.pieces), self.capture_time_s)
 
     def run(self, n: int, max_seq_len: int | None = None, upload: bool = True) -> torch.Tensor:
         """Upload the filled inputs, replay the bucket for ``n`` sequences whose longest
-        context is ``max_seq_len`` tokens (default: the largest tier), and return their
-        logits ``[n, vocab]`` float32 (a view of the graph's output buffer, valid until
-        the next replay). ``upload=False``: the caller has uploaded them already."""
+        context is ``max_seq_len`` tokens (default: the largest tier), every piece, and
+        return their logits ``[n, vocab]`` float32 (a view of the graph's output buffer,
+        valid until the next replay). ``upload=False``: the caller has uploaded them
+        already."""
+        return self.begin(n, max_seq_len, upload).finish()
+
+    def begin(self, n: int, max_seq_len: int | None = None, upload: bool = True) -> PiecewiseReplay:
+        """As ``run``, but replay the first piece only: the caller replays the others
+        (``PiecewiseReplay``), or drops the step."""
         b = next(s for s in self.buckets if s >= n)
         need = self.max_seq_len if max_seq_len is None else max_seq_len
         tier = next(t for t in self.tiers if t >= need)
         if upload:
             self.inputs.upload()
-        self.graphs[tier, b].replay()
+        replay = PiecewiseReplay(self.graphs[tier, b], self.logits[tier, b][:n], self._piece_done)
+        replay.replay_next()
         self.num_replays += 1
-        return self.logits[tier, b][:n]
+        return replay

@@ -15,8 +15,9 @@ from shared.protocol import TokenLogprobs
 from shared.sampling import SamplingParams
 from shared.settings import EngineSettings, ModelSettings
 from worker.backends.base import EngineStats, RequestOutput, RequestRejected, check_request
-from worker.engine.arrivals import Arrivals
+from worker.engine.arrivals import Arrivals, StepStop
 from worker.engine.block_manager import BlockManager
+from worker.engine.cuda_graphs import PiecewiseReplay
 from worker.engine.draft_proposer import DraftProposer, draft_num_blocks, load_draft_model
 from worker.engine.kv_calibration import kv_calibration_ids
 from worker.engine.model_runner import DecodeLaunch, ModelRunner, decode_inputs, kv_cache_dtype
@@ -132,17 +133,19 @@ class LLMEngine:
         self.grammars = GrammarCache(
             partial(build_tokenizer, source.path, self.model_config.vocab_size, self.eos_token_ids)
             if source.path is not None and source.has_tokenizer else None)
-        # The decode step enqueued on the GPU and not yet applied (async scheduling).
-        self._inflight: tuple[SchedulerOutput, DecodeLaunch] | None = None
+        # The decode step enqueued on the GPU and not yet applied (async scheduling): whole,
+        # or its first piece only (``graph_pieces``; ``_finish_inflight`` looks, then
+        # replays the rest).
+        self._inflight: tuple[SchedulerOutput, DecodeLaunch | PiecewiseReplay] | None = None
         self.num_async_steps = 0  # decode steps enqueued behind one still in flight
         # What was announced since the worker last pulled (``note_arrival``).
         self.arrivals = Arrivals()
         self.num_chains_withheld = 0  # decode steps not chained for an arrival (``_finish_inflight``)
-        # The lowest class (largest rank) of the step in progress, for ``_stop_for_arrival``.
-        self._step_lowest_class = 0
-        self.num_steps_stopped = 0  # eager steps stopped between layers for an arrival
+        # The look at the step in progress, between layers (eager) or pieces (replays).
+        self.step_stop = StepStop(self.arrivals, self.scheduler)
+        self.num_steps_stopped = 0  # steps stopped between layers or pieces for an arrival
         if self.runner.step_sync is None and self.proposer is None:
-            self.runner.step_stop = self._stop_for_arrival
+            self.runner.step_stop = self.step_stop
         log.info("engine ready in %.1f s: %s, max_model_len %d", time.perf_counter() - t0,
                  source.name, self.max_model_len)
 
@@ -214,7 +217,7 @@ class LLMEngine:
         """A request of class rank ``priority`` from ``tenant`` was queued, or (``None``)
         the worker is about to pull: forget earlier notes. Called from the worker's event
         loop while a step may run (``worker/engine/arrivals.py``); read by the engine
-        thread (``_stop_for_arrival``, ``_finish_inflight``)."""
+        thread (``step_stop``, ``_finish_inflight``)."""
         self.arrivals.note(priority, tenant)
 
     # -- the loop ------------------------------------------------------------------
@@ -228,8 +231,9 @@ class LLMEngine:
         as in vLLM's async scheduling. A request that stops at step N has computed one
         wasted token in step N + 1, which is dropped.
 
-        Returns ``[]`` with requests still running when an eager step stopped between
-        layers for an announced request (``_stop_for_arrival``): nothing of it applied.
+        Returns ``[]`` with requests still running when a step stopped between layers
+        (eager) or pieces (replays) for an announced request (``step_stop``): nothing of
+        it applied.
         """
         if self._inflight is not None:
             return self._finish_inflight()
@@ -243,9 +247,9 @@ class LLMEngine:
             return []
         if self._async_decode_ok(out):
             requests = [item.request for item in out.scheduled]
-            self._inflight = (out, self.runner.launch_decode(requests, *decode_inputs(requests)))
+            self._inflight = out, self._launch_decode(requests, *decode_inputs(requests))
             return self._finish_inflight()
-        self._step_lowest_class = max(item.request.priority for item in out.scheduled)
+        self.step_stop.lowest_class = max(item.request.priority for item in out.scheduled)
         try:
             sampled, logprobs, prompt_logprobs = self.runner.execute(out.scheduled)
         except ForwardStopped:
@@ -253,15 +257,19 @@ class LLMEngine:
             # later step (their blocks stay; none was registered as cached, which happens
             # in ``update`` only). The worker pulls the newcomer, which the priority floor
             # prefills in a step without the lower classes next.
-            self.num_steps_stopped += 1
-            self.arrivals.step_ended(stopped=True)
-            return []
+            return self._stopped()
         self.arrivals.step_ended(stopped=False)
         if self.proposer is not None:
             for item, tokens in zip(out.scheduled, sampled):
                 if item.num_spec_tokens and isinstance(tokens, list):
                     self.proposer.record(item.request.request_id, item.num_spec_tokens, len(tokens) - 1)
         return self._apply(out, sampled, logprobs, prompt_logprobs)
+
+    def _stopped(self) -> list[RequestOutput]:
+        """Count a step stopped for an arrival; it returns no output."""
+        self.num_steps_stopped += 1
+        self.arrivals.step_ended(stopped=True)
+        return []
 
     def _apply(self, out: SchedulerOutput, sampled: Sequence[int | list[int] | None],
                logprobs: list[TokenLogprobs | None] | None = None,
@@ -303,13 +311,41 @@ class LLMEngine:
                         and item.request.sampling.logprobs is None
                         and item.request.prompt_logprobs is None for item in out.scheduled))
 
+    def _launch_decode(self, requests: Sequence[Request], positions: Sequence[int],
+                       input_ids: Sequence[int] | torch.Tensor) -> DecodeLaunch | PiecewiseReplay:
+        """Enqueue a decode step of ``requests`` (arguments as
+        ``ModelRunner.launch_decode``): whole, or, when its graphs come in pieces, the
+        engine looks at arrivals and no request has a grammar, its first piece only."""
+        if self.runner.step_stop is None or self.runner.decode_pieces < 2 or any(r.grammar is not None
+                                                                                for r in requests):
+            return self.runner.launch_decode(requests, positions, input_ids)
+        return self.runner.begin_decode(requests, self.runner.prepare_decode(requests, positions, input_ids))
+
     def _finish_inflight(self) -> list[RequestOutput]:
-        """Enqueue the next decode step when it can follow the one in flight, then wait
-        for the in-flight step's tokens and apply them. The late look (not under tensor
-        parallelism): the next step is prepared, and replayed once the one in flight has
-        run only if no request was announced meanwhile that would take the place of its
-        work (``note_arrival``, ``Arrivals.preempts``)."""
+        """Finish enqueuing the step in flight, enqueue the next decode step when it can
+        follow it, then wait for the in-flight step's tokens and apply them.
+
+        The look between pieces: a step in flight whose first piece only was enqueued
+        (``_launch_decode``) goes on piece by piece while nothing preempting is announced
+        (``ModelRunner.finish_pieces``); else it is dropped there, as a stopped step.
+
+        The late look (not under tensor parallelism): the next step is prepared, and
+        replayed once the one in flight has run only if no request was announced meanwhile
+        that would take the place of its work (``note_arrival``, ``Arrivals.preempts``)."""
         out, launch = self._inflight  # type: ignore[misc]
+        if isinstance(launch, PiecewiseReplay):
+            requests = [item.request for item in out.scheduled]
+            self.step_stop.lowest_class = max(r.priority for r in requests)
+            try:
+                logits = self.runner.finish_pieces(launch)
+            except ForwardStopped:
+                # Nothing of it applies: the in-flight tokens before it are applied, its
+                # blocks stay with their requests, which compute the step again.
+                self._inflight = None
+                return self._stopped()
+            launch = self.runner.launch_sample(logits, requests)
+            self._inflight = out, launch
+        self.arrivals.step_ended(stopped=False)
         if not self.scheduler.can_schedule_next_decode(out):
             self._inflight = None
             return self._apply(out, launch.token_ids())  # type: ignore[arg-type]
@@ -334,7 +370,10 @@ class LLMEngine:
                 self._inflight = None
                 return self._apply(out, token_ids)  # type: ignore[arg-type]
             self.num_async_steps += 1
-            self._inflight = nxt, self.runner.replay_decode(requests, max_seq_len)
+            if self.runner.decode_pieces > 1:  # its later pieces follow in the next call
+                self._inflight = nxt, self.runner.begin_decode(requests, max_seq_len)
+            else:
+                self._inflight = nxt, self.runner.replay_decode(requests, max_seq_len)
             return self._apply(out, token_ids)  # type: ignore[arg-type]
         self.num_async_steps += 1
         if all(r.grammar is None for r in requests):
@@ -352,18 +391,6 @@ class LLMEngine:
             if r.status.finished:
                 self._free(r)
         return outputs
-
-    def _stop_for_arrival(self) -> bool:
-        """The model's ``stop`` check between the layers of an eager step: True when a
-        request announced while it ran would take the place of work it carries
-        (``Arrivals.preempts``: a class above the step's lowest one, whose prefill step the
-        scheduler's priority floor keeps that class out of, or a tenant that claims a slot
-        of a full engine), and enough steps completed since the last stop
-        (``Arrivals.may_stop``), so that a stream of arrivals slows the others down but never stops
-        them. On CPU a step of 16 sequences takes ~80 ms on 2 cores, longer than a short
-        prompt's prefill (docs/benchmarks.md): the newcomer then waits for a layer, not
-        for the rest of that step."""
-        return self.arrivals.may_stop and self.arrivals.preempts(self.scheduler, self._step_lowest_class)
 
     def stats(self) -> EngineStats:
         return self.scheduler.make_stats()

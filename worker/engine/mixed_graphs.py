@@ -36,6 +36,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from worker.engine.cuda_graphs import LayerPieces, PiecewiseReplay
 from worker.engine.scheduler import ScheduledRequest
 from worker.models.attention import AttentionBackend, AttentionMetadata
 from worker.models.llama import KVCache, LlamaForCausalLM
@@ -200,12 +201,13 @@ class MixedGraphs:
     """Captured graphs of whole steps, one per token-count bucket (``token_buckets``),
     every one padded to ``max_num_seqs`` sequences; ``run(batch)`` packs a step, replays
     the smallest bucket that holds its tokens, and returns the hidden rows of its sampled
-    tokens. Attributes ``num_captures`` and ``num_replays`` count graph captures and
-    replays (the start-up warm-up test reads them)."""
+    tokens, ``begin(batch)`` its first piece only (``pieces`` > 1: one graph per range of
+    layers, ``cuda_graphs.LayerPieces``). Attributes ``num_captures`` and ``num_replays``
+    count graph captures and replays (the start-up warm-up test reads them)."""
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], backend: AttentionBackend,
                  max_num_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int, max_seq_len: int,
-                 block_size: int, device: torch.device) -> None:
+                 block_size: int, device: torch.device, pieces: int = 1) -> None:
         self.model, self.kv_caches, self.backend = model, kv_caches, backend
         self.max_num_seqs, self.max_seq_len = max_num_seqs, max_seq_len
         self.buckets = token_buckets(max_num_batched_tokens)
@@ -214,7 +216,10 @@ class MixedGraphs:
         # that every bucket writes the same buffer and nothing else reuses it.
         self.rows = torch.empty(max_num_seqs, model.config.hidden_size,
                                 dtype=model.embed_tokens.weight.dtype, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pieces = LayerPieces(model, pieces, self.buckets[-1], device)
+        self._piece_done = torch.cuda.Event() if len(self.pieces) > 1 else None
+        # Keyed by token bucket: the step's graphs, one per piece.
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.capture_time_s = 0.0
         self.num_captures = 0
         self.num_replays = 0
@@ -227,13 +232,15 @@ class MixedGraphs:
         """True when a step of this size can replay a bucket."""
         return num_tokens <= self.max_num_tokens and num_seqs <= self.max_num_seqs
 
-    def forward(self, bucket: int) -> None:
+    def forward(self, bucket: int, piece: int | None = None) -> None:
         """One padded step of ``bucket`` tokens over the current inputs (eager; what a
-        graph captures): ``rows`` <- hidden rows at ``logits_indices``."""
+        graph captures), whole (``piece`` None) or one piece: after the last, ``rows`` <-
+        hidden rows at ``logits_indices``."""
         ids, pos, meta, idx = self.inputs.views(bucket, self.max_num_seqs, self.max_num_seqs,
                                                 max_query_len=bucket, max_seq_len=self.max_seq_len)
-        hidden = self.model(ids, pos, self.kv_caches, meta, self.backend)
-        torch.index_select(hidden, 0, idx, out=self.rows)
+        hidden = self.pieces.forward(self.model, piece, ids, pos, self.kv_caches, meta, self.backend)
+        if hidden is not None:
+            torch.index_select(hidden, 0, idx, out=self.rows)
 
     @torch.inference_mode()
     def capture(self, pool: tuple[int, int] | None = None) -> None:
@@ -248,32 +255,42 @@ class MixedGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up: Triton compiles, cuBLAS picks kernels
             for b in self.buckets:
-                self.forward(b)
+                for piece in self.pieces.indices():
+                    self.forward(b, piece)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         for b in reversed(self.buckets):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.forward(b)
-            self.graphs[b] = graph
-            self.num_captures += 1
+            graphs = []
+            for piece in self.pieces.indices():
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.forward(b, piece)
+                graphs.append(graph)
+                self.num_captures += 1
+            self.graphs[b] = graphs
         torch.cuda.synchronize()
         self.capture_time_s = time.perf_counter() - t0
-        log.info("captured %d mixed-step CUDA graphs (tokens %s, %d sequences) in %.1f s", len(self.graphs),
-                 self.buckets, self.max_num_seqs, self.capture_time_s)
+        log.info("captured %d mixed-step CUDA graphs (tokens %s, %d sequences, %d piece(s) each) in %.1f s",
+                 self.num_captures, self.buckets, self.max_num_seqs, len(self.pieces), self.capture_time_s)
 
     def run(self, batch: Sequence[ScheduledRequest]) -> torch.Tensor:
         """Pack and upload ``batch`` (check ``fits`` first), replay the smallest bucket
-        that holds its tokens, without waiting for the GPU.
+        that holds its tokens, every piece, without waiting for the GPU.
 
         Returns:
             ``[num_sampled, hidden_size]`` hidden rows of the sampled tokens, in batch
             order (a view of the shared output buffer, valid until the next replay).
         """
+        return self.begin(batch).finish()
+
+    def begin(self, batch: Sequence[ScheduledRequest]) -> PiecewiseReplay:
+        """As ``run``, but replay the first piece only: the caller replays the others
+        (``PiecewiseReplay``; its ``output`` is ``run``'s rows), or drops the step."""
         num_tokens = sum(item.num_tokens for item in batch)
         bucket = next(b for b in self.buckets if b >= num_tokens)
         shape = self.inputs.fill(batch, pad_tokens_to=bucket)
         self.inputs.upload()
-        self.graphs[bucket].replay()
+        replay = PiecewiseReplay(self.graphs[bucket], self.rows[:shape.num_sampled], self._piece_done)
+        replay.replay_next()
         self.num_replays += 1
-        return self.rows[:shape.num_sampled]
+        return replay

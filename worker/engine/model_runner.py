@@ -21,7 +21,9 @@ samples (a decode step) replays a decode graph (``cuda_graphs.py``), and any oth
 token-count bucket (``mixed_graphs.py``; ``mixed_cuda_graphs`` off: eager). Every Triton
 kernel is compiled and every graph captured here, at start-up, so nothing compiles while
 requests wait. Nothing in a step waits on the device except the copy of the sampled ids
-(and that of the prompt logprobs, in a step that scores them).
+(and that of the prompt logprobs, in a step that scores them) and, while the engine's
+stop check is armed, the end of each piece of a replayed step but the last
+(``graph_pieces``; ``finish_pieces``).
 
 Grammar masks (``worker/structured/``) are filled on the host after the step's forward
 pass and LM head are enqueued, so on CUDA they are computed while the device runs that
@@ -32,14 +34,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from kernels.kv_cache_write import FP8_KV_DTYPE
 from shared.protocol import TokenLogprobs
 from shared.settings import EngineSettings
-from worker.engine.cuda_graphs import DecodeGraphs
+from worker.engine.arrivals import StepStop
+from worker.engine.cuda_graphs import DecodeGraphs, PiecewiseReplay
 from worker.engine.kv_calibration import calibrate_kv_cache, default_calibration_ids
 from worker.engine.mixed_graphs import MixedGraphs, StepInputs
 from worker.engine.prompt_logprobs import compute_prompt_logprobs, prompt_spans, warm_up_steps
@@ -49,7 +52,7 @@ from worker.engine.scheduler import ScheduledRequest
 from worker.engine.spec_decode import verify
 from worker.models.attention import AttentionMetadata, select_backend
 from worker.models.config import ModelConfig
-from worker.models.llama import KVCache, LlamaForCausalLM
+from worker.models.llama import ForwardStopped, KVCache, LlamaForCausalLM
 from worker.parallel import group as tp_group
 from worker.parallel.layers import TensorParallelLM
 from worker.parallel.step_sync import StepSync
@@ -130,8 +133,9 @@ class ModelRunner:
             num_blocks = self.tp.min_int(num_blocks)
         self.step_sync: StepSync | None = None  # rank 0 of a group: announces each model call
         #: Checked between the layers of an eager step (``LlamaForCausalLM.forward``'s
-        #: ``stop``; set by the engine, never under tensor parallelism); None: run whole.
-        self.step_stop: Callable[[], bool] | None = None
+        #: ``stop``) and between the pieces of a replayed one (``finish_pieces``); set by
+        #: the engine, never under tensor parallelism; None: run whole.
+        self.step_stop: StepStop | None = None
         self.num_blocks = num_blocks
         self.kv_caches = allocate_kv_cache(model.shard_config, num_blocks, self.block_size,
                                            kv_cache_dtype(settings.kv_cache_dtype, dtype), device)
@@ -166,13 +170,16 @@ class ModelRunner:
         free_before = torch.cuda.mem_get_info(self.device)[0]
         max_blocks = -(-self.max_model_len // self.block_size)
         pool = torch.cuda.graph_pool_handle()
+        # Steps in pieces only where the engine may stop them: not under TP (every rank
+        # runs each pass whole), not with speculative decoding.
+        pieces = settings.graph_pieces if self.tp is None and settings.speculative_method == "off" else 1
         if settings.mixed_cuda_graphs and self.tp is None:  # under TP, mixed steps run eagerly
             self.mixed = MixedGraphs(self.model, self.kv_caches, self.backend, settings.max_num_seqs,
                                      settings.max_num_batched_tokens, max_blocks, self.max_model_len,
-                                     self.block_size, self.device)
+                                     self.block_size, self.device, pieces)
             self.mixed.capture(pool)
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, settings.max_num_seqs, max_blocks,
-                                   self.max_model_len, self.device)
+                                   self.max_model_len, self.device, pieces)
         self.graphs.capture(pool)
         self.sampler.warm_up(settings.max_num_seqs, self.cfg.vocab_size)
         for step in warm_up_steps(settings.max_num_seqs, settings.max_num_batched_tokens, self.block_size,
@@ -308,6 +315,38 @@ class ModelRunner:
         enqueue the sampling; ``max_seq_len`` is what ``prepare_decode`` returned."""
         return self.launch_sample(self._replay_decode(len(requests), max_seq_len), requests)
 
+    @property
+    def decode_pieces(self) -> int:
+        """Graphs per decode step (``EngineSettings.graph_pieces``, 1 under tensor
+        parallelism or speculative decoding; 0 without decode graphs)."""
+        return len(self.graphs.pieces) if self.graphs is not None else 0
+
+    @torch.inference_mode()
+    def begin_decode(self, requests: Sequence[Request], max_seq_len: int) -> PiecewiseReplay:
+        """As ``replay_decode``, but replay the step's first piece only: ``finish_pieces``
+        replays the others (or stops), then ``launch_sample`` samples its ``output``."""
+        assert self.graphs is not None
+        return self.graphs.begin(len(requests), max_seq_len, upload=False)
+
+    @torch.inference_mode()
+    def finish_pieces(self, replay: PiecewiseReplay) -> torch.Tensor:
+        """Replay the pieces left of a step, and return its ``output`` (enqueued, not
+        waited for). While ``step_stop`` is armed, wait for each piece to run before the
+        next, and stop there when ``step_stop()`` says so.
+
+        Raises:
+            ForwardStopped: stopped between two pieces; the step's later layers never
+                ran, and nothing of it may be applied.
+        """
+        stop = self.step_stop
+        while replay.remaining:
+            if stop is not None and stop.armed:
+                replay.wait()
+                if stop():
+                    raise ForwardStopped(f"stopped with {replay.remaining} piece(s) of the step left")
+            replay.replay_next()
+        return replay.output
+
     @torch.inference_mode()
     def launch_forward(self, requests: Sequence[Request], positions: Sequence[int],
                        input_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -349,7 +388,7 @@ class ModelRunner:
             logits = self._decode_logits(requests, *decode_inputs(requests))
         elif not spans and not speculative and self.mixed is not None and self.mixed.fits(sum(item.num_tokens for item in batch),
                                                                       len(batch)):
-            rows = self.mixed.run(batch)
+            rows = self.finish_pieces(self.mixed.begin(batch))
             if sampled_items:
                 logits = self.model.compute_logits(rows)
         else:

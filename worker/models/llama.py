@@ -302,19 +302,47 @@ class LlamaForCausalLM(nn.Module):
         Raises:
             ForwardStopped: ``stop()`` returned True.
         """
+        assert len(kv_caches) == len(self.layers), (len(kv_caches), len(self.layers))
+        x, residual = self.run_layers(self.embed(input_ids), None, positions, kv_caches, meta, backend,
+                                      0, len(self.layers), stop)
+        return self.final_norm(x, residual, backend)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings ``[num_tokens, hidden_size]`` of ``input_ids`` ``[num_tokens]``
+        int64 (Gemma: scaled)."""
         x = self.embed_tokens(input_ids)
         if self.config.embed_scale != 1.0:  # Gemma: the scale rounded to the model dtype first, as HF
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype).item()
-        residual: torch.Tensor | None = None
+        return x
+
+    def run_layers(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                   kv_caches: list[KVCache], meta: AttentionMetadata, backend: AttentionBackend,
+                   start: int, end: int, stop: Callable[[], bool] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layers ``[start, end)`` over ``x`` (the previous layer's output, or ``embed``'s)
+        and ``residual`` (None before layer 0), both ``[num_tokens, hidden_size]``;
+        returns the pair after layer ``end - 1``. A pass may run in pieces, each a CUDA
+        graph (``worker/engine/cuda_graphs.py``: the engine looks at arrivals between
+        them). ``stop`` is checked after each layer below ``end`` and before the model's
+        last; arguments otherwise as ``forward``.
+
+        Raises:
+            ForwardStopped: ``stop()`` returned True.
+        """
         fused_rope = "rotary" in backend.fused_ops
         rope = None if fused_rope else self.rotary.cos_sin(positions, x.dtype)
         rope_local = None if fused_rope or self.rotary_local is None else self.rotary_local.cos_sin(positions, x.dtype)
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+        for i in range(start, end):
             rotary = self._layer_rotary(i)
             tables = rope_local if rotary is self.rotary_local else rope
-            x, residual = layer(x, residual, positions, rotary, kv_cache, meta, backend, tables)
-            if stop is not None and i + 1 < len(self.layers) and stop():
+            x, residual = self.layers[i](x, residual, positions, rotary, kv_caches[i], meta, backend, tables)
+            if stop is not None and i + 1 < end and stop():
                 raise ForwardStopped(f"stopped after layer {i}")
+        return x, residual
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor | None, backend: AttentionBackend) -> torch.Tensor:
+        """The final norm of the last layer's ``(x, residual)``: hidden states
+        ``[num_tokens, hidden_size]``."""
         return self.norm(x, residual, "rmsnorm" in backend.fused_ops)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
