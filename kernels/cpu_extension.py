@@ -7,6 +7,11 @@ The build is tuned to this machine (``-march=native``; ``-fno-trapping-math`` an
 ``-fno-math-errno`` let GCC vectorize the exp, floor and sqrt loops); the extension's name
 carries a hash of the CPU's model and flags, of the build flags and of the sources, so a
 cache shared by different CPUs never loads a binary built for another.
+
+The sources compile as one translation unit (``csrc/cpu_kernels.cpp`` includes the
+others), so ATen's and pybind11's headers are parsed once: on a 2-core Xeon the build took
+23 s of CPU (20 s user) against 39 s as three units (wall 23 s against 26 s), which counts
+where the build shares the cores with other work (the test suite's first minutes).
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("decode_attention_cpu.cpp", "elementwise_cpu.cpp", "bindings.cpp")
+#: What is compiled: one translation unit that includes ``PARTS``.
+SOURCES = ("cpu_kernels.cpp",)
+PARTS = ("decode_attention_cpu.cpp", "elementwise_cpu.cpp", "bindings.cpp", "cpu_math.h")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-trapping-math", "-fno-math-errno"]
 
 
@@ -38,7 +45,7 @@ def _build_tag() -> str:
         lines = []
     wanted = sorted({line for line in lines if line.startswith(("model name", "flags", "cpu family", "model\t"))})
     digest = hashlib.sha1("\n".join([*wanted, *_CFLAGS]).encode())
-    for name in (*SOURCES, "cpu_math.h"):
+    for name in (*SOURCES, *PARTS):
         digest.update((CSRC / name).read_bytes())
     return digest.hexdigest()[:10]
 
