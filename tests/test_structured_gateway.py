@@ -114,7 +114,10 @@ async def test_openai_client_parse_with_a_pydantic_model(harness):
 async def test_openai_client_vllm_extra_body(harness, extra, expected):
     client = _client(harness)
     await client.completions.create(model=MODEL, prompt="Answer:", max_tokens=8, extra_body=extra)
-    await client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, extra_body=extra, stream=True)
+    stream = await client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, extra_body=extra,
+                                                  stream=True)
+    async for _ in stream:  # read to the end: the request has reached the worker (no race with its pull)
+        pass
     await client.close()
     assert [r.sampling.structured for r in harness.worker.requests] == [expected, expected]
 
