@@ -15,25 +15,23 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 _PREBUILD = pytest.StashKey[Any]()
 
 
-#: What a background process prepares at session start, in a fresh ``HOME``: the C++ CPU
-#: kernels (kernels/cpu_extension.py, ~23 s of CPU) and the default model's Hugging Face
-#: folder (converted from its GGUF, ~15 s). Each takes a file lock, so a test that needs
+#: What a background process prepares at session start, in a fresh ``HOME``: the default
+#: model's Hugging Face folder (converted from its GGUF, ~15 s of CPU) and the C++ CPU
+#: kernels (kernels/cpu_extension.py, ~23 s). Each takes a file lock, so a test that needs
 #: one before it is ready waits for it; once ready, both are only loaded.
 _PREPARE = """
 import os
 os.nice(10)
 try:
-    from kernels.cpu_extension import load
-    load()
-finally:
     from shared.model_source import DEFAULT_MODEL_NAME, resolve_model
     resolve_model(DEFAULT_MODEL_NAME)
+finally:
+    from kernels.cpu_extension import load
+    load()
 """
-#: Fixtures that need what ``_PREPARE`` makes: the modules that use them, and the CPU
-#: kernels' own modules (``_NEEDS_KERNELS``), run after the others
-#: (``pytest_collection_modifyitems``), so the preparation overlaps light tests.
+#: Fixtures that need what ``_PREPARE`` makes: the modules that use them run after the
+#: others (``pytest_collection_modifyitems``), so the preparation overlaps light tests.
 _NEEDS_MODEL = frozenset({"smollm_source", "smollm_tokenizer", "offline", "smollm_stack", "vllm_backend"})
-_NEEDS_KERNELS = "tests/test_cpu_"
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -66,8 +64,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     import torch
 
-    heavy = {item.nodeid.split("::")[0] for item in items
-             if _NEEDS_MODEL.intersection(item.fixturenames) or item.nodeid.startswith(_NEEDS_KERNELS)}
+    heavy = {item.nodeid.split("::")[0] for item in items if _NEEDS_MODEL.intersection(item.fixturenames)}
     items.sort(key=lambda item: item.nodeid.split("::")[0] in heavy)
 
     no_cuda = pytest.mark.skip(reason="needs CUDA")
