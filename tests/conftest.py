@@ -15,34 +15,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 _PREBUILD = pytest.StashKey[Any]()
 
 
-#: What a background process prepares at session start, in a fresh ``HOME``: the default
-#: model's Hugging Face folder (converted from its GGUF, ~15 s of CPU) and the C++ CPU
-#: kernels (kernels/cpu_extension.py, ~23 s). Each takes a file lock, so a test that needs
-#: one before it is ready waits for it; once ready, both are only loaded.
-_PREPARE = """
-import os
-os.nice(10)
-try:
-    from shared.model_source import DEFAULT_MODEL_NAME, resolve_model
-    resolve_model(DEFAULT_MODEL_NAME)
-finally:
-    from kernels.cpu_extension import load
-    load()
-"""
-#: Fixtures that need what ``_PREPARE`` makes: the modules that use them run after the
-#: others (``pytest_collection_modifyitems``), so the preparation overlaps light tests.
-_NEEDS_MODEL = frozenset({"smollm_source", "smollm_tokenizer", "offline", "smollm_stack", "vllm_backend"})
-
-
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Start ``_PREPARE`` in a background process at low CPU priority, so it runs while the
-    light tests wait on sockets and subprocesses, not when the first real-model test
-    needs it."""
+    """Start building the C++ CPU kernels (kernels/cpu_extension.py: about 45 s on 2 cores
+    in a fresh ``HOME``) in a background process at low CPU priority, so the build runs
+    while early tests wait on sockets and subprocesses, not when the first real-model test
+    needs it. That test still waits on the build's lock if it comes first; once built, the
+    process only loads the cached module."""
     import subprocess
     import sys
 
     session.config.stash[_PREBUILD] = subprocess.Popen(
-        [sys.executable, "-c", _PREPARE], cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        [sys.executable, "-c", "import os; os.nice(10); from kernels.cpu_extension import load; load()"],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
@@ -57,15 +41,10 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip ``cuda`` tests without a GPU and ``vllm`` tests without vLLM; run the modules
-    that use the real model (``_NEEDS_MODEL``) after the others, each module whole and
-    in its order."""
+    """Skip ``cuda`` tests without a GPU and ``vllm`` tests without vLLM."""
     import importlib.util
 
     import torch
-
-    heavy = {item.nodeid.split("::")[0] for item in items if _NEEDS_MODEL.intersection(item.fixturenames)}
-    items.sort(key=lambda item: item.nodeid.split("::")[0] in heavy)
 
     no_cuda = pytest.mark.skip(reason="needs CUDA")
     no_vllm = pytest.mark.skip(reason="needs vllm")

@@ -231,18 +231,18 @@ def test_worker_sigkill_mid_generation_fails_over_without_loss(stack: Stack, off
     """Four streams over two real-model workers of two slots each (every slot busy, so
     both hold streams); one worker is killed once every stream has 5 tokens: the other
     finishes them all, each equal to the offline engine's greedy text."""
-    MAX_TOKENS = 32  # noqa: N806
+    max_tokens = 32
     stack.add_worker("wa", "--max-num-seqs", "2")
     stack.add_worker("wb", "--max-num-seqs", "2")
     url = stack.add_gateway("gw")
     processes.wait_for_workers(stack.redis_url, 2, list(stack.workers.values()))
     prompts = [f"Tell me a story about a {animal}." for animal in ("cat", "dog", "fox", "owl")]
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     expected = offline.generate(prompts, params)
     seen = [0] * len(prompts)
 
     async def run() -> list[tuple[str, int]]:
-        tasks = [asyncio.create_task(stream_completion(url, p, MAX_TOKENS, ignore_eos=True,
+        tasks = [asyncio.create_task(stream_completion(url, p, max_tokens, ignore_eos=True,
                                                        on_token=lambda i=i: seen.__setitem__(i, seen[i] + 1)))
                  for i, p in enumerate(prompts)]
         while min(seen) < 5:  # every stream has tokens: both workers are mid-generation
@@ -255,7 +255,7 @@ def test_worker_sigkill_mid_generation_fails_over_without_loss(stack: Stack, off
     results = asyncio.run(asyncio.wait_for(run(), 240))
     for (text, used), exp in zip(results, expected, strict=True):
         assert text == exp.text  # no duplicated, no missing tokens
-        assert used == MAX_TOKENS
+        assert used == max_tokens
     assert "failover of" in stack.log("gw")  # the dead worker really held requests
     wait_no_pending(stack.redis_url)
 
