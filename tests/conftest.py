@@ -30,14 +30,72 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
+#: Test modules whose stack is started as soon as collection ends, so that its slow
+#: start (a vLLM engine on 2 cores: ~16 s) runs beside the early tests (``early_stack``).
+_EARLY_STACKS = {"tests/test_vllm_serving.py": ("vllm-1", ("--backend", "vllm", "--max-num-seqs", "16",
+                                                           "--enforce-eager", "--kv-cache-bytes", str(128 * 1024**2)))}
+_EARLY = pytest.StashKey[dict[str, Any]]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the worker (and its Redis) of each collected module in ``_EARLY_STACKS``."""
+    import importlib.util
+    import tempfile
+    from pathlib import Path
+
+    started: dict[str, Any] = {}
+    session.config.stash[_EARLY] = started
+    wanted = {item.nodeid.split("::")[0] for item in session.items} & set(_EARLY_STACKS)
+    if not wanted or importlib.util.find_spec("vllm") is None:
+        return
+    from shared.embedded_redis import EmbeddedRedis
+    from tests import processes
+
+    for module in sorted(wanted):
+        worker_id, args = _EARLY_STACKS[module]
+        logs = Path(tempfile.mkdtemp(prefix="inferq-early-"))
+        server = EmbeddedRedis().start()
+        worker = processes.start("worker", server.url, *args, "--worker-id", worker_id, log_path=logs / "worker.log")
+        started[module] = (server, worker, logs)
+
+
+@pytest.fixture(scope="session")
+def early_stack(request: pytest.FixtureRequest) -> Any:
+    """``stack_for(module)``: ``(redis_url, worker process, log dir)`` of the worker that
+    ``pytest_collection_finish`` started for ``module`` (``_EARLY_STACKS``), stopped (drained)
+    at the session's end; the module waits for it to be ready."""
+    started: dict[str, Any] = request.config.stash.get(_EARLY, {})
+
+    def stack_for(module: str) -> tuple[str, Any, Any]:
+        server, worker, logs = started[module]
+        return server.url, worker, logs
+
+    try:
+        yield stack_for
+    finally:
+        from tests import processes
+
+        for server, worker, logs in started.values():
+            code = processes.stop(worker, timeout_s=60)
+            server.close()
+            assert code == 0, (logs / "worker.log").read_text()[-3000:]
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """Stop a build still running (with its compilers: its own process group)."""
+    """Stop a build still running (with its compilers: its own process group), and the
+    early stacks that no test used."""
     import signal
 
     proc = session.config.stash.get(_PREBUILD, None)
     if proc is not None and proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+    from tests import processes
+
+    for server, worker, _ in session.config.stash.get(_EARLY, {}).values():
+        if worker.poll() is None:
+            processes.stop(worker, timeout_s=60)
+        server.close()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

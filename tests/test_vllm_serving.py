@@ -19,24 +19,17 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    from shared.embedded_redis import EmbeddedRedis
-
-    server = EmbeddedRedis().start()
-    try:
-        yield server.url
-    finally:
-        server.close()
+def redis_url(early_stack) -> str:
+    return early_stack(__name__.replace(".", "/") + ".py")[0]
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, smollm_source, redis_url) -> Iterator[str]:
-    """A gateway and one vLLM-backed worker (eager, 128 MiB KV cache); yields the URL."""
+def stack(tmp_path_factory, smollm_source, early_stack) -> Iterator[str]:
+    """A gateway and one vLLM-backed worker (eager, 128 MiB KV cache; started when
+    collection ended: tests/conftest.py, ``early_stack``); yields the URL."""
+    redis_url, worker, _ = early_stack(__name__.replace(".", "/") + ".py")
     logs = tmp_path_factory.mktemp("logs")
     port = processes.free_port()
-    worker = processes.start("worker", redis_url, "--backend", "vllm", "--max-num-seqs", "16", "--enforce-eager",
-                             "--kv-cache-bytes", str(128 * 1024**2), "--worker-id", "vllm-1",
-                             log_path=logs / "worker.log")
     gateway = processes.start("gateway", redis_url, "--port", str(port), log_path=logs / "gateway.log")
     try:
         url = f"http://127.0.0.1:{port}"
@@ -44,7 +37,6 @@ def stack(tmp_path_factory, smollm_source, redis_url) -> Iterator[str]:
         processes.wait_for_workers(redis_url, 1, [worker], timeout_s=300)
         yield url
     finally:
-        assert processes.stop(worker, timeout_s=60) == 0, (logs / "worker.log").read_text()[-3000:]
         processes.stop(gateway)
 
 
