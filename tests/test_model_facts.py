@@ -108,3 +108,20 @@ def test_backend_contract_imports_without_the_torch_engine() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1])
     assert out.stdout.split() == ["False", "False"], out.stdout + out.stderr
+
+
+def test_the_gguf_conversion_parses_once_and_restores_the_library() -> None:
+    """``_gguf_parsed_once`` (the default model's conversion): inside the block one parse
+    per file and one tensor-name map per (architecture, layers); after it, gguf's own
+    functions again."""
+    import gguf
+
+    from shared.model_source import _gguf_parsed_once
+
+    before = gguf.GGUFReader, gguf.get_tensor_name_map
+    arch = next(iter(gguf.MODEL_ARCH_NAMES))
+    with _gguf_parsed_once():
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+        assert gguf.GGUFReader is not before[0]
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == before
+    assert gguf.get_tensor_name_map(arch, 2) is not gguf.get_tensor_name_map(arch, 2)
