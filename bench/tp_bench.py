@@ -9,8 +9,11 @@ puts ``batch`` requests of ``CONTEXT`` random prompt tokens through prefill, the
 holds half of every layer (and half of the vocabulary), so the floor is about half of
 TP=1's; the gap to it is the all-reduces (2 per layer) and the per-step sync.
 
-Run (2 GPUs):
-    python bench/tp_bench.py --models Qwen2.5-7B,Llama-3-8B --tp 1,2 --out bench/results/tp_h200x2.json
+Run (2 GPUs), one process per tensor-parallel size (after a TP=1 engine in the same
+process, the first 2-GPU run found no memory left for TP=2's KV cache):
+    python bench/tp_bench.py --models Qwen2.5-7B,Llama-3-8B --tp 1 --out tp1.json
+    python bench/tp_bench.py --models Qwen2.5-7B --tp 2 --out tp2.json
+Each row is written as soon as it is timed, before the engine's teardown.
 
 ``--serve MODEL`` instead serves ``MODEL``'s dummy config end to end (``inferq serve
 --tensor-parallel-size N --load-format dummy``, a model folder with ``--tokenizer-dir``'s
@@ -29,6 +32,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from datetime import date
 from typing import Any
 
@@ -54,8 +58,10 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def run_one(model: str, tp: int, args: argparse.Namespace, copy_bps: float) -> dict[str, Any]:
-    """Build ``model`` at tensor-parallel size ``tp``, time its decode steps, tear it down."""
+def run_one(model: str, tp: int, args: argparse.Namespace, copy_bps: float,
+            on_row: Callable[[dict[str, Any]], None] = lambda row: None) -> dict[str, Any]:
+    """Build ``model`` at tensor-parallel size ``tp``, time its decode steps, hand the row
+    to ``on_row`` (before the teardown, which hung on the first 2-GPU run), tear it down."""
     settings = {"load_format": "dummy", "max_num_seqs": max(BATCHES), "max_model_len": MAX_MODEL_LEN,
                 "max_num_batched_tokens": 4096, "gpu_memory_utilization": args.gpu_memory_utilization,
                 "tensor_parallel_size": tp}
@@ -84,6 +90,7 @@ def run_one(model: str, tp: int, args: argparse.Namespace, copy_bps: float) -> d
             row[f"decode_b{batch}_ms"] = round(step, 3)
             row[f"floor_b{batch}_ms"] = round(floor, 3)
             print(f"{model} TP={tp} batch {batch}: {step:.2f} ms/step (floor {floor:.2f} ms)", flush=True)
+        on_row(row)
         return row
     finally:
         if group is not None:
@@ -166,15 +173,18 @@ def main() -> None:
     print(f"copy bandwidth {copy_bps / 1e12:.2f} TB/s on {res['device']} x{res['num_gpus']}", flush=True)
     for model in (m.strip() for m in args.models.split(",") if m.strip()):
         for tp in (int(t) for t in args.tp.split(",")):
+            def save(row: dict[str, Any]) -> None:
+                res["runs"].append(row)
+                with open(args.out, "w") as f:
+                    json.dump(res, f, indent=1)
+
             try:
-                res["runs"].append(run_one(model, tp, args, copy_bps))
+                run_one(model, tp, args, copy_bps, save)
             except Exception as exc:  # noqa: BLE001 -- keep the other runs' results
                 import traceback
 
                 traceback.print_exc()
-                res["runs"].append({"model": model, "tp": tp, "error": repr(exc)})
-            with open(args.out, "w") as f:
-                json.dump(res, f, indent=1)
+                save({"model": model, "tp": tp, "error": repr(exc)})
     for r in res["runs"]:
         print(json.dumps(r))
 
