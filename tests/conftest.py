@@ -75,7 +75,8 @@ def early_stack(request: pytest.FixtureRequest) -> Any:
     finally:
         from tests import processes
 
-        for server, worker, logs in started.values():
+        while started:  # what is left here, pytest_sessionfinish stops
+            _, (server, worker, logs) = started.popitem()
             code = processes.stop(worker, timeout_s=60)
             server.close()
             assert code == 0, (logs / "worker.log").read_text()[-3000:]
@@ -83,7 +84,7 @@ def early_stack(request: pytest.FixtureRequest) -> Any:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """Stop a build still running (with its compilers: its own process group), and the
-    early stacks that no test used."""
+    early stacks that no test used (``early_stack`` stops the others)."""
     import signal
 
     proc = session.config.stash.get(_PREBUILD, None)
@@ -93,8 +94,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     from tests import processes
 
     for server, worker, _ in session.config.stash.get(_EARLY, {}).values():
-        if worker.poll() is None:
-            processes.stop(worker, timeout_s=60)
+        processes.stop(worker, timeout_s=60)
         server.close()
 
 

@@ -16,18 +16,20 @@ from tests.test_serving_e2e import (  # noqa: F401 - pytest collects these here,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+#: This module's key in tests/conftest.py's ``_EARLY_STACKS``.
+MODULE = __name__.replace(".", "/") + ".py"
 
 
 @pytest.fixture(scope="module")
 def redis_url(early_stack) -> str:
-    return early_stack(__name__.replace(".", "/") + ".py")[0]
+    return early_stack(MODULE)[0]
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, smollm_source, early_stack) -> Iterator[str]:
     """A gateway and one vLLM-backed worker (eager, 128 MiB KV cache; started when
     collection ended: tests/conftest.py, ``early_stack``); yields the URL."""
-    redis_url, worker, _ = early_stack(__name__.replace(".", "/") + ".py")
+    redis_url, worker, _ = early_stack(MODULE)
     logs = tmp_path_factory.mktemp("logs")
     port = processes.free_port()
     gateway = processes.start("gateway", redis_url, "--port", str(port), log_path=logs / "gateway.log")

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -43,6 +45,8 @@ from worker.models.attention import AttentionBackend, AttentionMetadata
 from worker.models.llama import KVCache, LlamaForCausalLM
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def context_tiers(max_seq_len: int) -> list[int]:
@@ -79,16 +83,22 @@ class LayerPieces:
     """A step's layers cut into pieces (``piece_bounds``) and the buffers that carry the
     hidden state from one piece to the next: ``[max_tokens, hidden_size]`` each, in the
     model's dtype, outside any graph pool (one step runs at a time, so every bucket's
-    graphs share them). With one piece there is nothing to carry."""
+    graphs share them). With one piece there is nothing to carry. It also captures a
+    step's pieces (``capture``) and starts their replay (``begin``), for the decode and
+    the mixed-step graphs alike."""
 
     def __init__(self, model: LlamaForCausalLM, pieces: int, max_tokens: int, device: torch.device) -> None:
         self.bounds = piece_bounds(len(model.layers), pieces)
         self.carry_x: torch.Tensor | None = None
         self.carry_residual: torch.Tensor | None = None
+        # Recorded after each piece but the last of a replay (one replay runs at a time).
+        self._piece_done: torch.cuda.Event | None = None
         if len(self.bounds) > 1:
             shape, dtype = (max_tokens, model.config.hidden_size), model.embed_tokens.weight.dtype
             self.carry_x = torch.zeros(shape, dtype=dtype, device=device)
             self.carry_residual = torch.zeros(shape, dtype=dtype, device=device)
+            if device.type == "cuda":  # replays only run there
+                self._piece_done = torch.cuda.Event()
 
     def __len__(self) -> int:
         return len(self.bounds)
@@ -121,6 +131,26 @@ class LayerPieces:
         self.carry_x[:n].copy_(x)
         self.carry_residual[:n].copy_(residual)
         return None
+
+    def capture(self, run: Callable[[int | None], T], pool: tuple[int, int]
+                ) -> tuple[list[torch.cuda.CUDAGraph], T]:
+        """Capture one step as a graph per piece in memory pool ``pool``: ``run(piece)``
+        (``indices``' values) records the piece's work. Returns the graphs and what the
+        last piece's ``run`` returned (its output, which the graphs write on replay)."""
+        graphs, out = [], None
+        for piece in self.indices():
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = run(piece)
+            graphs.append(graph)
+        return graphs, out  # type: ignore[return-value]
+
+    def begin(self, graphs: list[torch.cuda.CUDAGraph], output: torch.Tensor) -> PiecewiseReplay:
+        """Replay the first of a step's ``graphs`` (``capture``'s), whose last piece writes
+        ``output``; the returned replay goes on with the others."""
+        replay = PiecewiseReplay(graphs, output, self._piece_done)
+        replay.replay_next()
+        return replay
 
 
 class PiecewiseReplay:
@@ -247,7 +277,6 @@ class DecodeGraphs:
         self.pieces = LayerPieces(model, pieces, max_num_seqs, device)
         # Keyed by (context tier, batch bucket): the step's graphs, one per piece.
         self.graphs: dict[tuple[int, int], list[torch.cuda.CUDAGraph]] = {}
-        self._piece_done = torch.cuda.Event() if len(self.pieces) > 1 else None
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
         self.capture_time_s = 0.0
         self.num_captures = 0  # graphs captured since start-up (the warm-up test reads it)
@@ -267,16 +296,10 @@ class DecodeGraphs:
 
     def _capture_step(self, b: int, tier: int, pool: tuple[int, int]) -> None:
         """Capture the step of bucket ``b`` at ``tier`` as one graph per piece."""
-        graphs = []
-        for piece in self.pieces.indices():
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(b, tier, piece)
-            if logits is not None:
-                self.logits[tier, b] = logits
-            graphs.append(graph)
-            self.num_captures += 1
-        self.graphs[tier, b] = graphs
+        graphs, logits = self.pieces.capture(lambda piece: self._forward(b, tier, piece), pool)
+        assert logits is not None
+        self.graphs[tier, b], self.logits[tier, b] = graphs, logits
+        self.num_captures += len(graphs)
 
     @torch.inference_mode()
     def capture(self, pool: tuple[int, int] | None = None) -> None:
@@ -323,7 +346,5 @@ class DecodeGraphs:
         tier = next(t for t in self.tiers if t >= need)
         if upload:
             self.inputs.upload()
-        replay = PiecewiseReplay(self.graphs[tier, b], self.logits[tier, b][:n], self._piece_done)
-        replay.replay_next()
         self.num_replays += 1
-        return replay
+        return self.pieces.begin(self.graphs[tier, b], self.logits[tier, b][:n])

@@ -217,7 +217,6 @@ class MixedGraphs:
         self.rows = torch.empty(max_num_seqs, model.config.hidden_size,
                                 dtype=model.embed_tokens.weight.dtype, device=device)
         self.pieces = LayerPieces(model, pieces, self.buckets[-1], device)
-        self._piece_done = torch.cuda.Event() if len(self.pieces) > 1 else None
         # Keyed by token bucket: the step's graphs, one per piece.
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.capture_time_s = 0.0
@@ -260,14 +259,8 @@ class MixedGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         for b in reversed(self.buckets):
-            graphs = []
-            for piece in self.pieces.indices():
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.forward(b, piece)
-                graphs.append(graph)
-                self.num_captures += 1
-            self.graphs[b] = graphs
+            self.graphs[b], _ = self.pieces.capture(lambda piece: self.forward(b, piece), pool)  # noqa: B023
+            self.num_captures += len(self.graphs[b])
         torch.cuda.synchronize()
         self.capture_time_s = time.perf_counter() - t0
         log.info("captured %d mixed-step CUDA graphs (tokens %s, %d sequences, %d piece(s) each) in %.1f s",
@@ -290,7 +283,5 @@ class MixedGraphs:
         bucket = next(b for b in self.buckets if b >= num_tokens)
         shape = self.inputs.fill(batch, pad_tokens_to=bucket)
         self.inputs.upload()
-        replay = PiecewiseReplay(self.graphs[bucket], self.rows[:shape.num_sampled], self._piece_done)
-        replay.replay_next()
         self.num_replays += 1
-        return replay
+        return self.pieces.begin(self.graphs[bucket], self.rows[:shape.num_sampled])

@@ -323,8 +323,8 @@ class LlamaForCausalLM(nn.Module):
         and ``residual`` (None before layer 0), both ``[num_tokens, hidden_size]``;
         returns the pair after layer ``end - 1``. A pass may run in pieces, each a CUDA
         graph (``worker/engine/cuda_graphs.py``: the engine looks at arrivals between
-        them). ``stop`` is checked after each layer below ``end`` and before the model's
-        last; arguments otherwise as ``forward``.
+        them). ``stop`` is checked after each layer of the range but its last; arguments
+        otherwise as ``forward``.
 
         Raises:
             ForwardStopped: ``stop()`` returned True.
