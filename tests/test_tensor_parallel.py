@@ -175,6 +175,51 @@ def test_dead_follower_takes_the_group_down(tp2) -> None:
     assert result and isinstance(result[0], RuntimeError), "a step with a dead rank must fail, not hang"
 
 
+class _Follower:
+    """A follower process as ``TPGroup.close`` sees it, recording what is done to it."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    def terminate(self) -> None:
+        self.events.append("terminate")
+
+    def join(self, timeout: float | None = None) -> None:
+        self.events.append("join")
+
+    def is_alive(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("stop_works", [True, False])
+def test_rank0_leaves_the_group_before_it_waits_for_its_followers(monkeypatch, stop_works: bool) -> None:
+    """NCCL's teardown is collective: a follower leaves the group on STOP and waits there
+    for rank 0, so rank 0 must leave too before it joins them (the other order hung on 2
+    GPUs). Without a delivered STOP the followers never leave: rank 0 terminates them and
+    aborts its communicators, which waits for no peer."""
+    import torch.distributed as dist
+
+    from worker.parallel import group as tp_group
+
+    events: list[str] = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: events.append("destroy"))
+    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group", lambda: events.append("abort"), raising=False)
+
+    def stop() -> None:
+        events.append("stop")
+        if not stop_works:
+            raise RuntimeError("follower gone")
+
+    group = tp_group.TPGroup(0, 2, torch.device("cpu"), followers=[_Follower(events)])
+    group.close(stop)
+    if stop_works:
+        assert events == ["stop", "destroy", "join"]
+    else:
+        assert events == ["stop", "terminate", "abort", "join"]
+    assert group.closing.is_set()
+
+
 def _sum_shards(full: LlamaForCausalLM, shards: list[TensorParallelLM], x: torch.Tensor, ids: torch.Tensor) -> None:
     """Rebuild layer 0's attention projections, MLP, embedding and LM head from the
     shards (their collectives done by hand) and compare them with the full model's."""

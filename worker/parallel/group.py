@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 EXIT_RANK_DIED = 3
 #: Collective timeout: longer than any idle period (deaths are seen through sentinels).
 COLLECTIVE_TIMEOUT = timedelta(days=30)
-#: How long close() waits for the followers to exit after STOP, seconds.
+#: How long close() waits for the group's teardown, and then for the followers to exit, seconds.
 STOP_TIMEOUT_S = 10.0
 
 _current: TPGroup | None = None
@@ -69,28 +69,61 @@ class TPGroup:
         return int(t.item())
 
     def close(self, stop: Callable[[], None] | None = None) -> None:
-        """Mark the group closing (the watchers stay quiet), then on rank 0: call
-        ``stop`` (``StepSync.send_stop``) and wait up to ``STOP_TIMEOUT_S`` for the
-        followers, or without ``stop`` terminate them at once; kill those left. Then
-        leave the group."""
+        """Mark the group closing (the watchers stay quiet) and leave it; on rank 0 first
+        call ``stop`` (``StepSync.send_stop``: each follower then leaves too and exits),
+        or without ``stop`` terminate the followers; then wait up to ``STOP_TIMEOUT_S``
+        for them and kill those left.
+
+        NCCL tears a communicator down collectively: a rank's ``ncclCommDestroy`` waits
+        until its peers destroy theirs (NCCL >= 2.16). So rank 0 leaves the group right
+        after STOP, while its followers leave theirs, and joins them after; had it joined
+        them first, each side would wait for the other. After a failed STOP, or none, the
+        followers never leave: rank 0 then aborts its communicators instead
+        (``_abort_process_group``, which does not wait for them) where torch has it.
+        """
         global _current
         self.closing.set()
+        stopped = False
         if stop is not None:
             try:
                 stop()
+                stopped = True
             except Exception:  # a follower already gone: killed below
                 log.warning("tensor parallel: stop message not delivered", exc_info=True)
-        for p in self.followers:
-            if stop is None:
+        if not stopped:
+            for p in self.followers:
                 p.terminate()
+        if dist.is_initialized():
+            leave_group(peers_leave=stopped or not self.followers)
+        for p in self.followers:
             p.join(STOP_TIMEOUT_S)
             if p.is_alive():
                 p.kill()
                 p.join()
-        if dist.is_initialized():
-            dist.destroy_process_group()
         if _current is self:
             _current = None
+
+
+def leave_group(peers_leave: bool) -> None:
+    """Destroy this process's default group (``peers_leave``: every other rank destroys
+    its own now, as NCCL's teardown needs), or else abort it, which waits for no peer
+    (where torch has ``_abort_process_group``; else destroy, and hope). Either is given
+    ``STOP_TIMEOUT_S``; past that it is left to finish on a daemon thread, logged, so
+    that a stuck peer cannot keep this process from exiting."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    teardown = dist.destroy_process_group if peers_leave or abort is None else abort
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            teardown()
+        except Exception:  # a peer gone mid-teardown: nothing left to free
+            log.warning("tensor parallel: leaving the group failed", exc_info=True)
+        done.set()
+
+    threading.Thread(target=run, name="tp-leave", daemon=True).start()
+    if not done.wait(STOP_TIMEOUT_S):
+        log.warning("tensor parallel: leaving the group took over %.0f s; going on without it", STOP_TIMEOUT_S)
 
 
 def watch(closing: threading.Event, sentinels: list[Any], on_death: Callable[[], None]) -> None:
