@@ -93,11 +93,11 @@ def mm_ms(layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]],
     """ms of the faster ``_scaled_mm`` layout (quantization included) for one projection,
     the comparison of ``sweep``'s ``vs_mm`` (inf where neither runs)."""
     n, k = SHAPES[name]
-    pad = -x.shape[0] % 16
-    xp = F.pad(x, (0, 0, 0, pad)) if pad else x
-    block = timed(lambda: [torch._scaled_mm(q, layer[name][0].T, scale_a=s.t().contiguous().t(),
-                                            scale_b=layer[name][1].t(), out_dtype=torch.bfloat16)
-                           for layer in layers for q, s in [quantize_groups(xp)]], n * k, copy_bps)
+    block = timed(lambda: [torch._scaled_mm(q, layer[name][0].T, scale_a=s, scale_b=layer[name][1].t(),
+                                            out_dtype=torch.bfloat16)
+                           for layer in layers for q, s in [quantize_groups(x, pad_rows_to=16,
+                                                                            scales_column_major=True)]],
+                  n * k, copy_bps)
     channel = timed(lambda: [torch._scaled_mm(q, layer[name][0].T, scale_a=s, scale_b=layer[name][1].view(1, -1),
                                               out_dtype=torch.bfloat16)
                              for layer in channels for q, s in [quantize_rows(x)]], n * k, copy_bps)
@@ -162,9 +162,9 @@ def main() -> None:
         variants: dict[str, Callable[[], Any]] = {
             "bf16": lambda xs=xs: [F.linear(xs[n], layer[n]) for layer in bf16 for n in SHAPES],
             "mm_block": lambda xs=xs: [
-                torch._scaled_mm(q, layer[n][0].T, scale_a=s.t().contiguous().t(), scale_b=layer[n][1].t(),
-                                 out_dtype=torch.bfloat16)
-                for layer in blocks for n in SHAPES for q, s in [quantize_groups(xs[n])]],
+                torch._scaled_mm(q, layer[n][0].T, scale_a=s, scale_b=layer[n][1].t(), out_dtype=torch.bfloat16)
+                for layer in blocks for n in SHAPES
+                for q, s in [quantize_groups(xs[n], pad_rows_to=16, scales_column_major=True)]],
             "mm_channel": lambda xs=xs: [
                 torch._scaled_mm(q, layer[n][0].T, scale_a=s, scale_b=layer[n][1].view(1, -1),
                                  out_dtype=torch.bfloat16)

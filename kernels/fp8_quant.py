@@ -4,8 +4,11 @@ row, the row read once). Used per token on the activations of the FP8 linears
 (``worker/models/fp8.py``); unfused, the same math is about six kernel launches per
 linear, which a batch-1 decode step of a 28-layer model would pay 112 times.
 
-The same kernel quantizes 1x``FP8_BLOCK`` groups of activations (``quantize_groups``,
-a view of ``x`` with one group a row); ``quantize_blocks_ref`` quantizes a weight in
+1x``FP8_BLOCK`` groups of activations (the block layout's activation side) have a kernel
+of their own (``quantize_groups``): one program per row and ``GROUPS_PER_PROGRAM`` groups,
+which can pad the rows to a multiple (zero rows, as ``torch._scaled_mm`` needs its rows in
+multiples of 16) and write the scales column-major (cuBLASLt's layout for block scales),
+so that neither takes a kernel of its own; ``quantize_blocks_ref`` quantizes a weight in
 ``FP8_BLOCK`` x ``FP8_BLOCK`` blocks (``worker/models/fp8.py`` says why that layout).
 
 Source: vLLM's ``dynamic_per_token_scaled_fp8_quant`` (the same scaling); the 128x128
@@ -27,6 +30,9 @@ MAX_TRITON_COLS = 32768
 #: Side of a weight block and length of an activation group sharing one scale in the
 #: block layout (DeepSeek-V3's and vLLM's ``weight_block_size [128, 128]``).
 FP8_BLOCK = 128
+#: Groups one program of ``quantize_groups``' kernel quantizes (a power of two): 2,048
+#: columns of a row at the default group size, 16 elements a thread with 4 warps.
+GROUPS_PER_PROGRAM = 16
 
 
 def check_quantize_rows_args(x: torch.Tensor) -> None:
@@ -64,18 +70,25 @@ def quantize_blocks_ref(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.
     return q.view(nb * block, kb * block)[:n, :k].contiguous(), scale
 
 
-def quantize_groups_ref(x: torch.Tensor, group: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """PyTorch reference of ``quantize_groups``; the last group of a row may be partial.
-
-    Returns:
-        ``(x_fp8 [R, C] float8_e4m3fn, scale [R, ceil(C / group)] float32)``.
-    """
+def quantize_groups_ref(x: torch.Tensor, group: int = FP8_BLOCK, pad_rows_to: int = 1,
+                        scales_column_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch reference of ``quantize_groups`` (arguments and returns as there); the last
+    group of a row may be partial."""
     check_quantize_rows_args(x)
+    x = _pad_rows(x, pad_rows_to)
     rows, cols = x.shape
     num_groups = -(-cols // group)
     padded = torch.nn.functional.pad(x, (0, num_groups * group - cols))
     q, scale = quantize_rows_ref(padded.reshape(rows * num_groups, group))
-    return q.view(rows, num_groups * group)[:, :cols].contiguous(), scale.view(rows, num_groups)
+    scale = scale.view(rows, num_groups)
+    return (q.view(rows, num_groups * group)[:, :cols].contiguous(),
+            scale.t().contiguous().t() if scales_column_major else scale)
+
+
+def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``x`` with zero rows appended up to a multiple of ``multiple`` rows."""
+    pad = -x.shape[0] % multiple
+    return torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
 
 
 try:
@@ -97,6 +110,23 @@ if triton is not None:
         tl.store(s_ptr + row, scale)
         q = tl.clamp(tl.math.div_rn(x, scale), -QMAX, QMAX)
         tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+    @triton.jit
+    def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, rows, num_groups, stride_x, stride_q, stride_sr, stride_sg,
+                                GROUP: tl.constexpr, GROUPS: tl.constexpr, QMAX: tl.constexpr,
+                                AMIN: tl.constexpr):
+        # Program (row, j): groups j * GROUPS .. of one row, as a [GROUPS, GROUP] tile; a row
+        # at or past ``rows`` is padding (read as zeros).
+        row = tl.program_id(0).to(tl.int64)
+        offs_g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+        in_row = offs_g < num_groups
+        cols = offs_g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        x = tl.load(x_ptr + row * stride_x + cols, mask=in_row[:, None] & (row < rows), other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=1), AMIN) / QMAX
+        tl.store(s_ptr + row * stride_sr + offs_g * stride_sg, scale, mask=in_row)
+        q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -QMAX, QMAX)
+        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=in_row[:, None])
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,19 +154,40 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def quantize_groups(x: torch.Tensor, group: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_groups(x: torch.Tensor, group: int = FP8_BLOCK, pad_rows_to: int = 1,
+                    scales_column_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize each 1 x ``group`` slice of ``x [R, C]`` with its own scale (the activation
-    side of the block layout): ``quantize_rows`` of a ``[R * C / group, group]`` view, one
-    Triton launch on CUDA where ``C`` is a multiple of ``group``, the reference elsewhere.
+    side of the block layout). One Triton launch on CUDA where ``C`` is a multiple of
+    ``group`` (a power of two) and the last dim is contiguous; the reference elsewhere.
+    No host sync: safe inside a CUDA-graph capture.
 
+    Args:
+        pad_rows_to: append zero rows (each group's scale then ``MIN_AMAX / 448``) up to
+            a multiple of this many rows (``torch._scaled_mm`` takes multiples of 16).
+        scales_column_major: return the scales as a column-major ``[R', G]`` view (strides
+            ``(1, R')``), the layout cuBLASLt's block scaling reads, written so directly.
     Returns:
-        ``(x_fp8 [R, C] float8_e4m3fn, scale [R, ceil(C / group)] float32)``.
+        ``(x_fp8 [R', C] float8_e4m3fn, scale [R', ceil(C / group)] float32)``, ``R'`` the
+        padded row count.
     Raises:
         ValueError: ``x`` is not a 2-D floating-point tensor.
     """
     check_quantize_rows_args(x)
     rows, cols = x.shape
-    if cols % group or not x.is_contiguous():
-        return quantize_groups_ref(x, group)
-    q, scale = quantize_rows(x.view(rows * cols // group, group))
-    return q.view(rows, cols), scale.view(rows, cols // group)
+    if (triton is None or not x.is_cuda or cols % group or group & (group - 1) or x.stride(1) != 1
+            or (rows and x.stride(0) < cols)):
+        return quantize_groups_ref(x, group, pad_rows_to, scales_column_major)
+    out_rows = rows + -rows % pad_rows_to
+    num_groups = cols // group
+    q = torch.empty(out_rows, cols, dtype=FP8_DTYPE, device=x.device)
+    if scales_column_major:
+        scale = torch.empty(num_groups, out_rows, dtype=torch.float32, device=x.device).t()
+    else:
+        scale = torch.empty(out_rows, num_groups, dtype=torch.float32, device=x.device)
+    if out_rows == 0 or num_groups == 0:
+        return q, scale
+    groups = min(GROUPS_PER_PROGRAM, triton.next_power_of_2(num_groups))
+    _quantize_groups_kernel[(out_rows, triton.cdiv(num_groups, groups))](
+        x, q, scale, rows, num_groups, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1), GROUP=group,
+        GROUPS=groups, QMAX=FP8_MAX, AMIN=MIN_AMAX, num_warps=4)
+    return q, scale

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_extension
+from kernels.fp8_quant import FP8_BLOCK, FP8_DTYPE, FP8_MAX, GROUPS_PER_PROGRAM, MIN_AMAX, quantize_groups_ref
 
 
 def check_silu_and_mul_args(x: torch.Tensor) -> None:
@@ -45,6 +46,26 @@ if triton is not None:
         tl.store(out_ptr + row * stride_o + offs, act * up, mask=mask)
 
 
+    @triton.jit
+    def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, rows, inter, num_groups, stride_x, stride_q, stride_sr,
+                                 stride_sg, GROUP: tl.constexpr, GROUPS: tl.constexpr, QMAX: tl.constexpr,
+                                 AMIN: tl.constexpr):
+        # ``_silu_and_mul_kernel``'s product, rounded to the input dtype as it stores it, then
+        # ``fp8_quant._quantize_groups_kernel``'s math on a [GROUPS, GROUP] tile of one row.
+        row = tl.program_id(0).to(tl.int64)
+        offs_g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+        in_row = offs_g < num_groups
+        cols = offs_g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        mask = in_row[:, None] & (row < rows)
+        gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0)
+        y = ((gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(y), axis=1), AMIN) / QMAX
+        tl.store(s_ptr + row * stride_sr + offs_g * stride_sg, scale, mask=in_row)
+        q = tl.clamp(tl.math.div_rn(y, scale[:, None]), -QMAX, QMAX)
+        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=in_row[:, None])
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of ``x = [gate | up]`` (``[T, 2I] -> [T, I]``): one Triton
     launch on CUDA, the C++ kernel on CPU where it builds (``kernels/cpu_extension.py``),
@@ -71,3 +92,35 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
         x, out, x.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4)
     return out
+
+
+def silu_and_mul_fp8(x: torch.Tensor, pad_rows_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``silu_and_mul(x)`` quantized per 1 x ``FP8_BLOCK`` group (``fp8_quant.quantize_groups``
+    with ``scales_column_major``), in one pass: the input of a block-scaled FP8 down
+    projection (``worker/models/fp8.py``), without writing and reading back the bfloat16
+    product. Bit for bit the two kernels in turn; the reference off CUDA or where the
+    intermediate size is not a multiple of ``FP8_BLOCK``.
+
+    Args:
+        x: ``[T, 2I]`` ``[gate | up]``, contiguous in its last dimension.
+        pad_rows_to: zero rows appended up to a multiple of this many (as ``quantize_groups``).
+    Returns:
+        ``(q [T', I] float8_e4m3fn, scale [T', I / 128] float32, column-major)``.
+    Raises:
+        ValueError: ``x`` is not ``[T, 2I]``.
+    """
+    check_silu_and_mul_args(x)
+    rows, inter = x.shape[0], x.shape[1] // 2
+    if triton is None or not x.is_cuda or inter % FP8_BLOCK or x.stride(1) != 1:
+        return quantize_groups_ref(silu_and_mul_ref(x), FP8_BLOCK, pad_rows_to, scales_column_major=True)
+    out_rows = rows + -rows % pad_rows_to
+    num_groups = inter // FP8_BLOCK
+    q = torch.empty(out_rows, inter, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(num_groups, out_rows, dtype=torch.float32, device=x.device).t()
+    if out_rows == 0:
+        return q, scale
+    groups = min(GROUPS_PER_PROGRAM, triton.next_power_of_2(num_groups))
+    _silu_and_mul_fp8_kernel[(out_rows, triton.cdiv(num_groups, groups))](
+        x, q, scale, rows, inter, num_groups, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
+        GROUP=FP8_BLOCK, GROUPS=groups, QMAX=FP8_MAX, AMIN=MIN_AMAX, num_warps=4)
+    return q, scale

@@ -21,7 +21,7 @@ from kernels.fp8_gemv import (
     fp8_gemv_ref,
     plan,
 )
-from kernels.fp8_quant import quantize_blocks_ref, quantize_groups
+from kernels.fp8_quant import MIN_AMAX, quantize_blocks_ref, quantize_groups
 from shared.settings import ModelSettings, SettingsError
 from worker.models.config import ModelConfig
 from worker.models.fp8 import (
@@ -80,6 +80,11 @@ def test_block_and_group_quantization() -> None:
     x = torch.randn(3, 256) * torch.tensor([1.0] * 128 + [100.0] * 128)
     xq, xs = quantize_groups(x)
     assert xs.shape == (3, 2)
+    # Padded to 16 rows of zeros (the smallest scale), scales column-major: as _scaled_mm takes them.
+    pq, ps = quantize_groups(x, pad_rows_to=16, scales_column_major=True)
+    assert pq.shape == (16, 256) and ps.shape == (16, 2) and ps.stride() == (1, 16)
+    assert torch.equal(pq[:3].float(), xq.float()) and torch.equal(ps[:3], xs) and not pq[3:].float().any()
+    assert bool((ps[3:] == MIN_AMAX / FP8_MAX).all())
     torch.testing.assert_close(xs[:, 0], x[:, :128].abs().amax(dim=1) / FP8_MAX)
     torch.testing.assert_close(round_inputs(x, True), xq.float() * xs.repeat_interleave(128, 1))
     with pytest.raises(ValueError, match="unknown FP8 scheme"):

@@ -16,10 +16,11 @@ import torch
 
 from kernels.fp8_gemv import PLANS, LaunchConfig, block_rows, fp8_gemv, fp8_gemv_ref, plan
 from kernels.fp8_quant import quantize_groups, quantize_groups_ref, quantize_rows, quantize_rows_ref
+from kernels.silu_and_mul import silu_and_mul, silu_and_mul_fp8
 from shared.model_source import DUMMY_CONFIGS
 from shared.sampling import SamplingParams
 from worker.llm import LLM
-from worker.models.fp8 import GEMV_MAX_ROWS, fp8_linear, fp8_linear_ref, quantize_weight
+from worker.models.fp8 import GEMV_MAX_ROWS, fp8_linear, fp8_linear_ref, quantize_weight, takes_group_quantized_input
 from worker.models.loader import fp8_linears
 
 pytestmark = pytest.mark.cuda
@@ -37,14 +38,48 @@ def test_quantize_rows_kernel_matches_reference(rows: int, cols: int) -> None:
     assert torch.equal(q.float(), q_ref.float())
 
 
-def test_quantize_groups_kernel_matches_reference() -> None:
+@pytest.mark.parametrize(("rows", "cols", "pad_rows_to", "column_major"),
+                         [(33, 1024, 1, False), (33, 1024, 16, True), (64, 18944, 16, True), (1, 3584, 16, True),
+                          (300, 2304, 16, False)])
+def test_quantize_groups_kernel_matches_reference(rows: int, cols: int, pad_rows_to: int, column_major: bool) -> None:
+    """The group kernel, bit for bit the reference: padded rows (zeros) and column-major
+    scales included, and a row of zeros; more groups than one program takes."""
     torch.manual_seed(0)
-    x = torch.randn(33, 1024, device="cuda", dtype=torch.bfloat16) * torch.logspace(-2, 2, 1024, device="cuda")
-    q, scale = quantize_groups(x)
-    q_ref, scale_ref = quantize_groups_ref(x)
-    assert scale.shape == (33, 8)
+    x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) * torch.logspace(-2, 2, cols, device="cuda")
+    x[rows // 2] = 0
+    q, scale = quantize_groups(x, pad_rows_to=pad_rows_to, scales_column_major=column_major)
+    q_ref, scale_ref = quantize_groups_ref(x, pad_rows_to=pad_rows_to, scales_column_major=column_major)
+    assert scale.shape == (rows + -rows % pad_rows_to, cols // 128) and q.shape == (scale.shape[0], cols)
+    assert scale.stride() == scale_ref.stride() == ((1, scale.shape[0]) if column_major else (cols // 128, 1))
     torch.testing.assert_close(scale, scale_ref, rtol=0, atol=0)
     assert torch.equal(q.float(), q_ref.float())
+
+
+@pytest.mark.parametrize("rows", [1, 33, 300])
+def test_silu_and_mul_fp8_is_the_two_kernels_in_turn(rows: int) -> None:
+    """The fused SwiGLU + group quantization, bit for bit ``silu_and_mul`` then
+    ``quantize_groups`` (padded rows and column-major scales as ``_scaled_mm`` takes them)."""
+    torch.manual_seed(0)
+    x = torch.randn(rows, 2 * 2304, device="cuda", dtype=torch.bfloat16) * 3
+    q, scale = silu_and_mul_fp8(x, pad_rows_to=16)
+    q2, scale2 = quantize_groups(silu_and_mul(x), pad_rows_to=16, scales_column_major=True)
+    assert q.shape == q2.shape == (rows + -rows % 16, 2304) and scale.stride() == scale2.stride()
+    torch.testing.assert_close(scale, scale2, rtol=0, atol=0)
+    assert torch.equal(q.float(), q2.float())
+
+
+def test_down_projection_quantizes_as_it_computes_its_input() -> None:
+    """An FP8 ``block`` down projection above ``GEMV_MAX_ROWS`` rows takes its input from
+    ``silu_and_mul_fp8``: exactly what the unfused path gives; below, the GEMV path."""
+    from worker.models.linear import Linear
+
+    torch.manual_seed(0)
+    down = Linear(256, 128, bias=True).to("cuda", torch.bfloat16)
+    down.to_fp8("block")
+    for rows in (GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 100):
+        gate_up = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+        assert takes_group_quantized_input(rows, down.weight, down.weight_scale) == (rows > GEMV_MAX_ROWS)
+        torch.testing.assert_close(down.forward_silu_and_mul(gate_up), down(silu_and_mul(gate_up)), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("scheme", ["block", "channel"])

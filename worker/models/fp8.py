@@ -156,14 +156,42 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         out = torch._scaled_mm(q, weight.T, scale_a=scale, scale_b=weight_scale.view(1, -1),
                                out_dtype=torch.bfloat16)
     elif block_mm_fits(n, k):
-        pad = -m % SCALED_MM_ALIGN
-        q, scale = quantize_groups(F.pad(x, (0, 0, 0, pad)) if pad else x.contiguous())
-        # Both scales "outer-dim-major" (column-major) as cuBLASLt's block scaling wants them.
-        out = torch._scaled_mm(q, weight.T, scale_a=scale.t().contiguous().t(), scale_b=weight_scale.t(),
-                               out_dtype=torch.bfloat16)[:m]
+        # Rows padded to the alignment and both scales "outer-dim-major" (column-major), as
+        # cuBLASLt's block scaling wants them: the quantizer writes both so.
+        q, scale = quantize_groups(x.contiguous(), pad_rows_to=SCALED_MM_ALIGN, scales_column_major=True)
+        return block_scaled_mm(q, scale, weight, weight_scale, m, bias, x.dtype)
     else:
         return F.linear(x, dequantize_weight(weight, weight_scale, x.dtype), bias)
     out = out if x.dtype == torch.bfloat16 else out.to(x.dtype)
+    return out if bias is None else out + bias
+
+
+def takes_group_quantized_input(rows: int, weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
+    """Whether ``fp8_linear`` runs a product of ``rows`` rows by this FP8 weight as
+    ``block_scaled_mm`` of 1x128-group-quantized input (CUDA, the ``block`` layout, dims
+    multiples of ``FP8_BLOCK``, more than ``GEMV_MAX_ROWS`` rows): a caller that can quantize
+    the input as it computes it (``kernels.silu_and_mul.silu_and_mul_fp8``) may call
+    ``block_scaled_mm`` itself and skip writing the bfloat16 input."""
+    return (weight.is_cuda and weight_scale.dim() == 2 and rows > GEMV_MAX_ROWS
+            and block_mm_fits(weight.shape[0], weight.shape[1]))
+
+
+def block_scaled_mm(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    rows: int, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``torch._scaled_mm`` of group-quantized input by a ``block`` weight, plus ``bias``.
+
+    Args:
+        q: ``[R', K]`` float8_e4m3fn, ``R'`` a multiple of ``SCALED_MM_ALIGN`` (padding rows
+            past ``rows``).
+        scale: ``[R', K / 128]`` float32, column-major (``quantize_groups(...,
+            scales_column_major=True)``).
+        weight, weight_scale: ``[N, K]`` E4M3 and its ``[N / 128, K / 128]`` scales.
+        rows: the rows to return; bias: ``[N]`` or None; dtype: the output's.
+    Returns:
+        ``[rows, N]`` in ``dtype``.
+    """
+    out = torch._scaled_mm(q, weight.T, scale_a=scale, scale_b=weight_scale.t(), out_dtype=torch.bfloat16)[:rows]
+    out = out if dtype == torch.bfloat16 else out.to(dtype)
     return out if bias is None else out + bias
 
 

@@ -37,7 +37,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.models.fp8 import FP8_DTYPE, FP8_SCHEMES, dequantize_weight, fp8_linear, quantize_weight, round_inputs
+from kernels.silu_and_mul import silu_and_mul, silu_and_mul_fp8
+from worker.models.fp8 import (
+    FP8_DTYPE,
+    FP8_SCHEMES,
+    SCALED_MM_ALIGN,
+    block_scaled_mm,
+    dequantize_weight,
+    fp8_linear,
+    quantize_weight,
+    round_inputs,
+    takes_group_quantized_input,
+)
 
 #: Rows (tokens) up to which a packed weight is always used.
 PACKED_MAX_ROWS = 256
@@ -179,6 +190,16 @@ class Linear(nn.Linear):
         del self.weight_scale
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.fp8_reference = True
+
+    def forward_silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``self(silu_and_mul(gate_up))`` (``gate_up [T, 2 * in_features]``); a product that
+        ``fp8_linear`` would run on group-quantized input gets it from
+        ``silu_and_mul_fp8``, which quantizes as it computes (no bfloat16 intermediate)."""
+        if self.is_fp8 and takes_group_quantized_input(gate_up.shape[0], self.weight, self.weight_scale):
+            q, scale = silu_and_mul_fp8(gate_up, pad_rows_to=SCALED_MM_ALIGN)
+            return block_scaled_mm(q, scale, self.weight, self.weight_scale, gate_up.shape[0], self.bias,
+                                   gate_up.dtype)
+        return self(silu_and_mul(gate_up))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_fp8:

@@ -37,7 +37,6 @@ from torch import nn
 from kernels.fused_add_rms_norm import fused_add_rms_norm
 from kernels.rotary import apply_rotary, rotary_rows
 from kernels.rotary import rotary as rotary_fused
-from kernels.silu_and_mul import silu_and_mul
 from worker.models.attention import AttentionBackend, AttentionMetadata, KVQuant
 from worker.models.config import ModelConfig
 from worker.models.linear import (
@@ -198,7 +197,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if fused and not self.gelu:
-            return self.down_proj(silu_and_mul(gate_up))
+            return self.down_proj.forward_silu_and_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return self.down_proj(act * up)
