@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
-from collections.abc import Callable
+import os
+import sys
 from datetime import date
 
 import torch
 import triton
 import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.fp8_gemm_bench import graph_ms
 
 #: Small kernels per layer and layers, as a 28-layer decode step.
 SMALL_PER_LAYER, NUM_LAYERS = 12, 28
@@ -66,26 +69,6 @@ def chain(bufs: list[torch.Tensor], weight: torch.Tensor | None, pdl: bool, pref
         if weight is not None:
             _stream[(weight.shape[0],)](weight, bufs[0], bufs[1], weight.shape[1], BLOCK_K=512, USE_PDL=pdl,
                                         PREFETCH=prefetch, **kw)
-
-
-def graph_ms(fn: Callable[[], None], replays: int = 50) -> float:
-    """Mean ms of one replay of ``fn`` captured into a CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(replays):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / replays * 1e3
 
 
 def main() -> None:
