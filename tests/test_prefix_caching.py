@@ -68,3 +68,25 @@ def test_siblings_added_together_prefill_their_prompt_once(offline, monkeypatch)
     (alone,) = offline.generate([prompt], params)
     assert alone.num_cached_tokens == 0
     assert all(o.token_ids == alone.token_ids for o in siblings)
+
+
+def test_a_step_hashes_the_blocks_it_fills_before_it_waits_for_its_tokens(offline, monkeypatch) -> None:
+    """The full blocks a step's input tokens fill are hashed while the step runs
+    (``Scheduler.hash_ahead``, which ``ModelRunner.execute`` calls before it waits for the
+    sampled ids), so ``update`` finds every hash it registers already made."""
+    scheduler = offline.engine.scheduler
+    scheduler.block_manager.reset_prefix_cache()
+    block_size = scheduler.block_manager.block_size
+    update = scheduler.update
+    seen: list[tuple[int, int]] = []
+
+    def spying_update(out, sampled):  # hashes made vs full blocks, as update starts
+        seen.extend((len(item.request.block_hashes), (item.request.num_computed_tokens + item.num_tokens) // block_size)
+                    for item in out.scheduled)
+        return update(out, sampled)
+
+    monkeypatch.setattr(scheduler, "update", spying_update)
+    prompt = [1000 + 7 * i for i in range(5 * block_size + 3)]
+    offline.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    assert seen and seen[0] == (5, 5), seen
+    assert all(made == full for made, full in seen), seen

@@ -251,7 +251,8 @@ class LLMEngine:
             return self._finish_inflight()
         self.step_stop.lowest_class = max(item.request.priority for item in out.scheduled)
         try:
-            sampled, logprobs, prompt_logprobs = self.runner.execute(out.scheduled)
+            sampled, logprobs, prompt_logprobs = self.runner.execute(
+                out.scheduled, while_gpu_runs=lambda: self.scheduler.hash_ahead(out))
         except ForwardStopped:
             # Nothing of the step is applied: its requests compute the same tokens in a
             # later step (their blocks stay; none was registered as cached, which happens

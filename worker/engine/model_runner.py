@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -366,10 +366,13 @@ class ModelRunner:
         return DecodeLaunch(ids)
 
     @torch.inference_mode()
-    def execute(self, batch: Sequence[ScheduledRequest]
+    def execute(self, batch: Sequence[ScheduledRequest], while_gpu_runs: Callable[[], None] | None = None
                 ) -> tuple[list[int | list[int] | None], list[TokenLogprobs | None], list[list[TokenLogprobs] | None]]:
-        """Run one step. Returns, per scheduled request, its sampled token or ``None``
-        (a partial prefill chunk samples nothing) or, for a speculative item
+        """Run one step; ``while_gpu_runs()`` is called once the step's work is enqueued,
+        before the host waits for its tokens (host work that would otherwise run between
+        two steps, with the GPU idle: ``Scheduler.hash_ahead``). Returns, per scheduled
+        request, its sampled token or ``None`` (a partial prefill chunk samples nothing)
+        or, for a speculative item
         (``num_spec_tokens > 0``), its accepted drafts and the target's token
         (``spec_decode.verify``), its token's logprobs or ``None``
         (it samples nothing or did not ask), and the prompt logprobs of the positions its
@@ -404,12 +407,18 @@ class ModelRunner:
         tokens: list[int | list[int]] = []
         logprobs: list[TokenLogprobs | None] = []
         if logits is not None and speculative:
+            if while_gpu_runs is not None:
+                while_gpu_runs()
             tokens = self._verify(logits, sampled_items)
             logprobs = [None] * len(tokens)
         elif logits is not None:  # the step's one synchronisation: the ids' copy to the host
             ids, raw = self._sample(logits, [item.request for item in sampled_items])
+            if while_gpu_runs is not None:
+                while_gpu_runs()
             tokens = ids.tolist()
             logprobs = raw.fetch() if raw is not None else [None] * len(tokens)
+        elif while_gpu_runs is not None:  # nothing sampled: nothing waited for
+            while_gpu_runs()
         it, lps = iter(tokens), iter(logprobs)
         return ([next(it) if item.samples else None for item in batch],
                 [next(lps) if item.samples else None for item in batch], prompt)

@@ -392,6 +392,21 @@ class Scheduler:
                 finished.append(request)
         return results, finished
 
+    def hash_ahead(self, out: SchedulerOutput) -> None:
+        """Hash the full blocks that ``out``'s input tokens fill (their tokens are all
+        known), so that ``update``'s ``cache_full_blocks`` finds the hashes made: the
+        engine calls this while the GPU runs the step (``ModelRunner.execute``'s
+        ``while_gpu_runs``), where a 2,048-token prompt's 128 hashes would otherwise
+        keep the GPU waiting between two steps. No effect without prefix caching."""
+        bm = self.block_manager
+        if not bm.enable_prefix_caching:
+            return
+        for item in out.scheduled:
+            r = item.request
+            num_full = min(r.num_computed_tokens + item.num_tokens, r.num_tokens) // bm.block_size
+            if num_full > len(r.block_hashes):
+                bm.block_hash_at(r, num_full - 1)  # hashes every block up to it, each once
+
     # -- async scheduling: a decode step behind one still in flight -----------------
     def can_schedule_next_decode(self, out: SchedulerOutput) -> bool:
         """True when the step after ``out``, whose sampled tokens are not applied yet,

@@ -178,7 +178,10 @@ def takes_group_quantized_input(rows: int, weight: torch.Tensor, weight_scale: t
 
 def block_scaled_mm(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                     rows: int, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """``torch._scaled_mm`` of group-quantized input by a ``block`` weight, plus ``bias``.
+    """``torch._scaled_mm`` of group-quantized input by a ``block`` weight, plus ``bias``
+    (a bfloat16 bias added by cuBLASLt in float32 before the output is rounded, where the
+    output is bfloat16: no separate pass over the output; it then differs from a separate
+    add by that rounding, at most one bfloat16 ulp of the output).
 
     Args:
         q: ``[R', K]`` float8_e4m3fn, ``R'`` a multiple of ``SCALED_MM_ALIGN`` (padding rows
@@ -190,9 +193,11 @@ def block_scaled_mm(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, 
     Returns:
         ``[rows, N]`` in ``dtype``.
     """
-    out = torch._scaled_mm(q, weight.T, scale_a=scale, scale_b=weight_scale.t(), out_dtype=torch.bfloat16)[:rows]
+    fused = bias is not None and dtype == torch.bfloat16 and bias.dtype == torch.bfloat16
+    out = torch._scaled_mm(q, weight.T, scale_a=scale, scale_b=weight_scale.t(), bias=bias if fused else None,
+                           out_dtype=torch.bfloat16)[:rows]
     out = out if dtype == torch.bfloat16 else out.to(dtype)
-    return out if bias is None else out + bias
+    return out if bias is None or fused else out + bias
 
 
 def scaled_mm_fits(out_features: int, in_features: int) -> bool:
