@@ -1,8 +1,14 @@
-"""Sweep the decode launch config of the Triton paged-attention kernel (tile, warps,
-stages, splits) at a few batch/context points, timed as CUDA-graph replays so host
-launch cost is excluded. Qwen2.5-7B head shape. Prints the best config per point.
+"""Sweep the launch config of the Triton paged-attention kernel at a few points, timed as
+CUDA-graph replays so host launch cost is excluded. Qwen2.5-7B head shape. Prints the
+best config per point.
+
+- decode (default): tile, warps, stages, splits at batch/context points;
+- ``--prefill``: the prefill launch (``BLOCK_M`` rows of packed query heads, tile, warps,
+  stages) on whole prompts: 2 x 2,048 and 8 x 512 tokens, as the engine benchmark's
+  prefill steps.
 
     python -m bench.attn_sweep --out bench/results/attn_sweep_h100.json
+    python -m bench.attn_sweep --prefill --out bench/results/attn_sweep_prefill_h100.json
 """
 
 from __future__ import annotations
@@ -35,11 +41,64 @@ def time_us(fn, reps: int = 20) -> float:
     return s.elapsed_time(e) * 1e3 / (5 * reps)
 
 
+def prefill_sweep() -> list[dict]:
+    """The prefill launch's configs on whole prompts (no earlier context), best first per point."""
+    nh, nkv, d, bs = 28, 4, 128, 16
+    dev, dt = "cuda", torch.bfloat16
+    results = []
+    base_cfg = pa._attention_config
+    for num_prompts, length in ((2, 2048), (8, 512)):
+        blocks_per_seq = length // bs
+        num_blocks = num_prompts * blocks_per_seq * 2
+        kc = torch.randn(num_blocks, bs, nkv, d, device=dev, dtype=dt)
+        vc = torch.randn_like(kc)
+        tables = torch.randperm(num_blocks, device=dev)[:num_prompts * blocks_per_seq].view(num_prompts, -1).int()
+        q = torch.randn(num_prompts * length, nh, d, device=dev, dtype=dt)
+        qsl = torch.arange(0, num_prompts * length + 1, length, device=dev, dtype=torch.int32)
+        lens = torch.full((num_prompts,), length, device=dev, dtype=torch.int32)
+        out = torch.empty_like(q)
+        ref = pa.paged_attention_ref(q.float(), kc.float(), vc.float(), tables, qsl, lens, d ** -0.5)
+        default = base_cfg(dt, nh // nkv, num_prompts, nkv, length, length, pa._num_sms(q.device))
+        rows = []
+        for block_m, tile, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
+            cfg = dict(default, BLOCK_M=block_m, BLOCK_Q=block_m // (nh // nkv), TILE=tile, num_warps=warps,
+                       num_stages=stages)
+            pa._attention_config = lambda *a, cfg=cfg: cfg
+            try:
+                us = time_us(functools.partial(pa.paged_attention, q, kc, vc, tables, qsl, lens, d ** -0.5, out,
+                                               max_query_len=length, max_seq_len=length), reps=5)
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+            except Exception as exc:  # noqa: BLE001 - a config that does not compile or fit
+                rows.append({"block_m": block_m, "tile": tile, "warps": warps, "stages": stages,
+                             "error": repr(exc)[:80]})
+                continue
+            finally:
+                pa._attention_config = base_cfg
+            rows.append({"block_m": block_m, "tile": tile, "warps": warps, "stages": stages, "us": round(us, 1),
+                         "rel_err": err})
+        ok = sorted((r for r in rows if "us" in r and r["rel_err"] < 1e-2), key=lambda r: r["us"])
+        cur = next((r for r in ok if r["block_m"] == default["BLOCK_M"] and r["tile"] == default["TILE"]
+                    and r["warps"] == default["num_warps"] and r["stages"] == default["num_stages"]), None)
+        flops = 4 * num_prompts * length * (length + 1) / 2 * nh * d  # causal QK^T and PV
+        point = {"num_prompts": num_prompts, "prompt_len": length, "default": cur, "best": ok[0],
+                 "best_tflops": round(flops / ok[0]["us"] / 1e6, 1), "top5": ok[:5], "errors": len(rows) - len(ok)}
+        print(json.dumps({k: v for k, v in point.items() if k != "top5"}), flush=True)
+        results.append(point)
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
+    ap.add_argument("--prefill", action="store_true", help="sweep the prefill launch instead (module docstring)")
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.prefill:
+        results = prefill_sweep()
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+        return
     nh, nkv, d, bs = 28, 4, 128, 16
     dev, dt = "cuda", torch.bfloat16
     results = []

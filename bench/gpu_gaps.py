@@ -1,0 +1,99 @@
+"""Where the GPU idles during an offline prefill: a torch.profiler trace of one
+``LLM.generate`` of ``--num-prompts`` random prompts of ``--prompt-len`` tokens
+(``max_tokens`` 1), its kernels and copies ordered in time, and the gaps between them.
+
+Prints and writes (``--out``): the call's wall time, the GPU's span and busy time, the
+gaps over ``--min-gap-us`` summed by the pair of operations around them (a gap after the
+sampled ids' copy to the host and before the next step's input copy is the host's time
+between two steps), and the busiest kernels.
+
+    python bench/gpu_gaps.py --quantization fp8 --out bench/results/gpu_gaps_fp8_h100.json
+
+Needs CUDA; dummy weights of ``--model`` (a ``DUMMY_CONFIGS`` name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import itertools
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from shared.model_source import DUMMY_CONFIGS
+from shared.sampling import SamplingParams
+from worker.llm import LLM
+
+#: Trace event categories that occupy the GPU.
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def gaps_by_neighbours(events: list[dict], min_gap_us: float) -> collections.Counter:
+    """Idle microseconds between consecutive GPU events (sorted by start), longer than
+    ``min_gap_us``, summed per (event before, event after) name pair."""
+    out: collections.Counter = collections.Counter()
+    for a, b in itertools.pairwise(events):
+        gap = b["ts"] - (a["ts"] + a["dur"])
+        if gap > min_gap_us:
+            out[(a["name"][:60], b["name"][:60])] += gap
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="Qwen2.5-7B", choices=sorted(DUMMY_CONFIGS))
+    ap.add_argument("--quantization", default="none", choices=("none", "fp8"))
+    ap.add_argument("--prompt-len", type=int, default=2048)
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--min-gap-us", type=float, default=5.0)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    llm = LLM(model=args.model, load_format="dummy", max_num_seqs=64, max_model_len=4096,
+              max_num_batched_tokens=4096, quantization=args.quantization)
+    rng = random.Random(0)
+
+    def prompts(n: int) -> list[list[int]]:
+        return [[rng.randrange(100, 150000) for _ in range(args.prompt_len)] for _ in range(n)]
+
+    params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
+    llm.generate(prompts(2), params)  # warm-up
+    batch = prompts(args.num_prompts)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        llm.generate(batch, params)
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    gpu = sorted((e for e in events if e.get("cat") in GPU_CATEGORIES and "dur" in e), key=lambda e: e["ts"])
+    span_ms = (gpu[-1]["ts"] + gpu[-1]["dur"] - gpu[0]["ts"]) / 1e3
+    busy_ms = sum(e["dur"] for e in gpu) / 1e3
+    gaps = gaps_by_neighbours(gpu, args.min_gap_us)
+    kernels: collections.Counter = collections.Counter()
+    for e in gpu:
+        kernels[e["name"][:60]] += e["dur"]
+    res = {"date": date.today().isoformat(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "model": args.model, "quantization": args.quantization, "prompt_len": args.prompt_len,
+           "num_prompts": args.num_prompts, "wall_ms": round(wall_ms, 2), "gpu_span_ms": round(span_ms, 2),
+           "gpu_busy_ms": round(busy_ms, 2), "gaps_ms": round(sum(gaps.values()) / 1e3, 2),
+           "gaps_by_neighbours_ms": [[a, b, round(g / 1e3, 3)] for (a, b), g in gaps.most_common(10)],
+           "busiest_ms": [[n, round(d / 1e3, 2)] for n, d in kernels.most_common(15)]}
+    print(json.dumps(res, indent=1))
+    Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
