@@ -104,11 +104,19 @@ def mm_ms(layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]],
     return min(block.get("ms", float("inf")), channel.get("ms", float("inf")))
 
 
+def w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, gemv_plan: Any = None) -> torch.Tensor:
+    """The kernel on E4M3 input: ``x`` quantized per 1x128 group first (one more launch)."""
+    q, s = quantize_groups(x)
+    return fp8_gemv(q, weight, weight_scale, gemv_plan=gemv_plan, x_scale=s)
+
+
 def sweep(layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]],
           channels: list[dict[str, tuple[torch.Tensor, torch.Tensor]]], rows: list[int],
-          copy_bps: float) -> dict[str, Any]:
+          copy_bps: float, a8: bool = False) -> dict[str, Any]:
     """Per projection and row count, the GEMV's time under each ``SWEEP`` configuration,
-    best first; per row count the best single configuration over the four projections."""
+    best first; per row count the best single configuration over the four projections.
+    ``a8``: the W8A8 kernel on group-quantized input (``w8a8``), its quantization timed."""
+    gemv = w8a8 if a8 else fp8_gemv
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     configs = sweep_configs()
     out: dict[str, Any] = {}
@@ -122,7 +130,7 @@ def sweep(layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]],
             results = []
             for c in configs:
                 p = plan(m, n, k, sms, c)
-                r = timed(lambda p=p, x=x, name=name: [fp8_gemv(x, *layer[name], gemv_plan=p) for layer in layers],
+                r = timed(lambda p=p, x=x, name=name: [gemv(x, *layer[name], gemv_plan=p) for layer in layers],
                           n * k, copy_bps)
                 totals[c] += r.get("ms", float("inf"))
                 results.append(c.__dict__ | {"split": p.split} | r | ({"vs_mm": round(mm / r["ms"], 3)} if "ms" in r else {}))
@@ -144,6 +152,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,16,32,64,2048")
     ap.add_argument("--sweep", action="store_true", help="also time GEMV launch configurations (a few minutes on an H100)")
+    ap.add_argument("--w8a8", action="store_true", help="sweep the kernel on E4M3 input (W8A8) instead")
     ap.add_argument("--out", default="bench/results/fp8_gemm_h100.json")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -173,6 +182,7 @@ def main() -> None:
         }
         if m <= MAX_ROWS:
             variants["gemv_block"] = lambda xs=xs: [fp8_gemv(xs[n], *layer[n]) for layer in blocks for n in SHAPES]
+            variants["w8a8_block"] = lambda xs=xs: [w8a8(xs[n], *layer[n]) for layer in blocks for n in SHAPES]
             variants["gemv_channel"] = lambda xs=xs: [fp8_gemv(xs[n], *layer[n]) for layer in channels
                                                       for n in SHAPES]
         row: dict[str, Any] = {}
@@ -188,7 +198,7 @@ def main() -> None:
     if args.sweep:  # saved after each row count: a run cut short keeps what it timed
         res["sweep"] = {}
         for m in (m for m in rows if m <= MAX_ROWS):
-            res["sweep"] |= sweep(blocks, channels, [m], copy_bps)
+            res["sweep"] |= sweep(blocks, channels, [m], copy_bps, a8=args.w8a8)
             save(res, args.out)
 
 

@@ -77,6 +77,14 @@ PLANS: dict[int, LaunchConfig] = {
     32: LaunchConfig(block_n=64, num_warps=4, num_stages=3, programs_per_sm=4, swap_ab=False),
     64: LaunchConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=4, swap_ab=False),
 }
+#: The launch configuration of the W8A8 kernel (E4M3 input with ``x_scale``) per row
+#: bucket, where it differs from ``PLANS``: the best single plan of the H100 sweep at 64
+#: rows (``bench/fp8_gemm_bench.py --rows 64 --sweep --w8a8``,
+#: bench/results/fp8_gemm_w8a8_sweep_h100.json): 0.139 ms a layer of Qwen2.5-7B's four
+#: projections, against 0.157 for cuBLASLt's block ``_scaled_mm`` and 0.162 under ``PLANS[64]``.
+W8A8_PLANS: dict[int, LaunchConfig] = {
+    64: LaunchConfig(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2, swap_ab=True),
+}
 
 
 @dataclass(frozen=True)
@@ -149,13 +157,18 @@ def dequantize_weight(weight: torch.Tensor, weight_scale: torch.Tensor,
 
 
 def check_gemv_args(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                    bias: torch.Tensor | None) -> None:
+                    bias: torch.Tensor | None, x_scale: torch.Tensor | None = None) -> None:
     """Raises ``ValueError`` on shapes or dtypes ``fp8_gemv`` does not take."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x [M, K] and weight [N, K] expected, got {tuple(x.shape)} and {tuple(weight.shape)}")
     if weight.dtype != FP8_DTYPE:
         raise ValueError(f"weight must be {FP8_DTYPE}, got {weight.dtype}")
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if x_scale is not None:
+        groups = -(-x.shape[1] // FP8_BLOCK)
+        if x.dtype != FP8_DTYPE or x_scale.dim() != 2 or x_scale.shape[0] < x.shape[0] or x_scale.shape[1] != groups:
+            raise ValueError(f"an x_scale takes an {FP8_DTYPE} x and is [>= {x.shape[0]}, {groups}], got x "
+                             f"{x.dtype} and x_scale {tuple(x_scale.shape)}")
+    elif x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
     n, k = weight.shape
     blocks = (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
@@ -172,12 +185,15 @@ except ImportError:
     triton = None
 
 if triton is not None:
+    #: Columns per input scale of W8A8 (``x_scale``), as ``quantize_groups`` makes them.
+    FP8_GROUP = tl.constexpr(FP8_BLOCK)
 
     @triton.jit
-    def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn,
-                         stride_om, stride_sn, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr,
-                         SWAP_AB: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn,
+                         stride_om, stride_sn, stride_xsm, stride_xsk, k_per_split, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+                         SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         X_SCALED: tl.constexpr, DOT_PRECISION: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
@@ -201,6 +217,12 @@ if triton is not None:
                 part = tl.dot(w.to(x.dtype), tl.trans(x), input_precision=DOT_PRECISION)
             else:
                 part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
+            if X_SCALED:  # E4M3 input: one scale per row and 128 columns (W8A8)
+                sx = tl.load(xs_ptr + offs_m * stride_xsm + (k0 // FP8_GROUP) * stride_xsk, mask=mask_m, other=0.0)
+                if SWAP_AB:
+                    part = part * sx[None, :]
+                else:
+                    part = part * sx[:, None]
             if SCALE_BLOCK > 0:  # one scale per output channel for this step's 128 columns
                 s = tl.load(s_ptr + (offs_n // SCALE_BLOCK) * stride_sn + k0 // SCALE_BLOCK, mask=mask_n, other=0.0)
                 if SWAP_AB:
@@ -242,42 +264,51 @@ def _num_sms(device_index: int) -> int:
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-             bias: torch.Tensor | None = None, gemv_plan: GemvPlan | None = None) -> torch.Tensor:
-    """``x @ dequant(weight).T + bias`` for few rows, the weight streamed once (W8A16).
+             bias: torch.Tensor | None = None, gemv_plan: GemvPlan | None = None,
+             x_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ dequant(weight).T + bias`` for few rows, the weight streamed once: W8A16, or
+    W8A8 when ``x`` is E4M3 with ``x_scale`` (the tensor cores then multiply FP8 by FP8,
+    and the weight tile is not converted).
 
     Args:
-        x: ``[M, K]`` bfloat16 or float16 (float32 under the Triton interpreter), ``M`` in
-            ``1..MAX_ROWS``, last dim contiguous.
+        x: ``[M, K]`` bfloat16 or float16 (float32 under the Triton interpreter), or
+            float8_e4m3fn with ``x_scale``; ``M`` in ``1..MAX_ROWS``, last dim contiguous.
+        x_scale: with an E4M3 ``x``: float32 ``[M', K / 128]`` (``M' >= M``, any strides),
+            ``x ~= x_fp8 * scale`` per row and 128 columns (``quantize_groups``).
         weight: ``[N, K]`` float8_e4m3fn, row-major.
         weight_scale: float32, 1-D ``[N]`` (per channel) or 2-D
             ``[ceil(N / 128), ceil(K / 128)]`` (per 128x128 block).
         bias: ``[N]`` or None.
         gemv_plan: launch parameters (default ``plan`` for this shape and GPU).
     Returns:
-        ``[M, N]`` in ``x``'s dtype.
+        ``[M, N]`` in ``x``'s dtype, bfloat16 for an E4M3 ``x``.
     Raises:
         ValueError: see ``check_gemv_args`` and ``plan``.
         RuntimeError: Triton is not installed.
     """
-    check_gemv_args(x, weight, weight_scale, bias)
+    check_gemv_args(x, weight, weight_scale, bias, x_scale)
     if triton is None:
         raise RuntimeError("fp8_gemv needs Triton")
     m, k = x.shape
     n = weight.shape[0]
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight.contiguous()
-    p = gemv_plan or plan(m, n, k, _num_sms(x.device.index or 0) if x.is_cuda else 132)
+    w8a8 = x_scale is not None
+    p = gemv_plan or plan(m, n, k, _num_sms(x.device.index or 0) if x.is_cuda else 132,
+                          W8A8_PLANS.get(block_rows(m)) if w8a8 else None)
     block_scales = weight_scale.dim() == 2
     scale = weight_scale.float().contiguous()
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n, dtype=torch.bfloat16 if w8a8 else x.dtype, device=x.device)
     part = torch.empty(p.split, m, n, dtype=torch.float32, device=x.device) if p.split > 1 else out
     has_bias = bias is not None
     bias_arg = bias if has_bias else out
+    xs = x_scale if w8a8 else scale
     _fp8_gemv_kernel[(triton.cdiv(n, p.block_n), p.split)](
-        x, weight, scale, bias_arg, out, part, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        scale.stride(0) if block_scales else 0, p.k_per_split, BLOCK_M=p.block_m, BLOCK_N=p.block_n,
+        x, weight, scale, xs, bias_arg, out, part, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        scale.stride(0) if block_scales else 0, xs.stride(0) if w8a8 else 0, xs.stride(1) if w8a8 else 0,
+        p.k_per_split, BLOCK_M=p.block_m, BLOCK_N=p.block_n,
         BLOCK_K=p.block_k, SCALE_BLOCK=FP8_BLOCK if block_scales else 0, SPLIT_K=p.split > 1, SWAP_AB=p.swap_ab,
-        HAS_BIAS=has_bias,
+        HAS_BIAS=has_bias, X_SCALED=w8a8,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=p.num_warps,
         num_stages=p.num_stages)
     if p.split > 1:

@@ -68,6 +68,29 @@ def test_silu_and_mul_fp8_is_the_two_kernels_in_turn(rows: int) -> None:
     assert torch.equal(q.float(), q2.float())
 
 
+@pytest.mark.parametrize("rows", [33, 64])
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_w8a8_gemv_matches_the_dequantized_product(rows: int, swap_ab: bool) -> None:
+    """The kernel on E4M3 input (``x_scale``): the product of the dequantized input and
+    weight, split-K (K 8,192) and with a bias, in both orientations."""
+    torch.manual_seed(0)
+    n, k = 512, 8192
+    w, w_scale = quantize_weight(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, "block")
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) * torch.logspace(-1, 1, k, device="cuda")
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    q, scale = quantize_groups(x)
+    p = plan(rows, n, k, torch.cuda.get_device_properties(0).multi_processor_count,
+             LaunchConfig(block_n=128, swap_ab=swap_ab))
+    assert p.split > 1
+    out = fp8_gemv(q, w, w_scale, bias, gemv_plan=p, x_scale=scale)
+    x_deq = q.float() * scale.repeat_interleave(128, 1)
+    ref = fp8_gemv_ref(x_deq, w, w_scale, bias.float()).to(torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    with pytest.raises(ValueError, match="x_scale"):
+        fp8_gemv(x, w, w_scale, x_scale=scale)  # a bfloat16 x with a scale
+
+
 def test_down_projection_quantizes_as_it_computes_its_input() -> None:
     """An FP8 ``block`` down projection above ``GEMV_MAX_ROWS`` rows takes its input from
     ``silu_and_mul_fp8``: exactly what the unfused path gives; below, the GEMV path."""
@@ -83,12 +106,12 @@ def test_down_projection_quantizes_as_it_computes_its_input() -> None:
 
 
 @pytest.mark.parametrize("scheme", ["block", "channel"])
-@pytest.mark.parametrize("rows", [65, 333])
+@pytest.mark.parametrize("rows", [33, 64, 65, 333])
 def test_scaled_mm_matches_reference(rows: int, scheme: str) -> None:
     """Above ``GEMV_MAX_ROWS`` rows ``_scaled_mm`` (row-wise, or 1x128 x 128x128 blocks
-    with the rows padded to 16) accumulates the same FP8 products in float32 as the
-    reference: only the bf16 rounding of the output (2^-9 relative) and the summation
-    order differ."""
+    with the rows padded to 16), and for ``block`` weights up to ``W8A8_MAX_ROWS`` rows the
+    W8A8 kernel, accumulate the same FP8 products in float32 as the reference: only the
+    bf16 rounding of the output (2^-9 relative) and the summation order differ."""
     torch.manual_seed(0)
     x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
     w, w_scale = quantize_weight(torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16) * 0.02, scheme)

@@ -17,7 +17,9 @@ measured table (``bench/fp8_quality.py``).
 
 On CUDA a product of up to ``GEMV_MAX_ROWS`` rows (decode) is ``kernels/fp8_gemv.py``: the
 activations stay in bfloat16 and the weight is streamed once, dequantized in registers
-(W8A16). Larger products (prefill) quantize the activations and run cuBLASLt's FP8 GEMM,
+(W8A16). With ``block`` weights, products of up to ``W8A8_MAX_ROWS`` rows (decode steps of
+33-64 sequences) run the same kernel on activations quantized per 1x128 group (W8A8: FP8
+by FP8 on the tensor cores). Larger products (prefill) quantize the activations and run cuBLASLt's FP8 GEMM,
 ``torch._scaled_mm``: per token with ``channel`` weights (row-wise scaling, SM89+), per
 1x128 group with ``block`` weights (DeepSeek-V3's recipe, SM90 and CUDA 12.9+; K and N
 multiples of 128, rows padded to a multiple of 16 for it); a ``block`` layer whose dims
@@ -53,7 +55,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels.fp8_gemv import dequantize_weight, fp8_gemv
+from kernels.fp8_gemv import MAX_ROWS, dequantize_weight, fp8_gemv
 from kernels.fp8_quant import (
     FP8_BLOCK,
     FP8_DTYPE,
@@ -77,6 +79,10 @@ FP8_SCHEMES = ("block", "channel")
 #: 32 rows against cuBLASLt's 0.140, 0.186 against 0.159 at 64 (bench/fp8_gemm_bench.py
 #: ``--sweep``; docs/benchmarks.md, "FP8 weights").
 GEMV_MAX_ROWS = 32
+#: Products of more rows than ``GEMV_MAX_ROWS``, up to this many, on ``block`` weights run
+#: the same kernel on group-quantized input (W8A8, ``fp8_gemv``'s ``x_scale``): 0.139 ms a
+#: layer at 64 rows against cuBLASLt's 0.157 (docs/benchmarks.md, "FP8 weights").
+W8A8_MAX_ROWS = MAX_ROWS
 
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -133,8 +139,9 @@ def block_mm_fits(out_features: int, in_features: int) -> bool:
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ dequant(weight).T + bias`` with ``x [M, K]`` (bfloat16 or float16): on CUDA
-    ``fp8_gemv`` up to ``GEMV_MAX_ROWS`` rows, else ``torch._scaled_mm`` on quantized
-    activations (module docstring); ``fp8_linear_ref`` off CUDA.
+    ``fp8_gemv`` up to ``GEMV_MAX_ROWS`` rows, else on quantized activations ``fp8_gemv``
+    (``block`` weights, up to ``W8A8_MAX_ROWS`` rows) or ``torch._scaled_mm`` (module
+    docstring); ``fp8_linear_ref`` off CUDA.
 
     Args:
         weight: ``[N, K]`` float8_e4m3fn, row-major (``_scaled_mm`` takes its transpose,
@@ -159,7 +166,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         # Rows padded to the alignment and both scales "outer-dim-major" (column-major), as
         # cuBLASLt's block scaling wants them: the quantizer writes both so.
         q, scale = quantize_groups(x.contiguous(), pad_rows_to=SCALED_MM_ALIGN, scales_column_major=True)
-        return block_scaled_mm(q, scale, weight, weight_scale, m, bias, x.dtype)
+        return block_product(q, scale, weight, weight_scale, m, bias, x.dtype)
     else:
         return F.linear(x, dequantize_weight(weight, weight_scale, x.dtype), bias)
     out = out if x.dtype == torch.bfloat16 else out.to(x.dtype)
@@ -168,12 +175,27 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 def takes_group_quantized_input(rows: int, weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
     """Whether ``fp8_linear`` runs a product of ``rows`` rows by this FP8 weight as
-    ``block_scaled_mm`` of 1x128-group-quantized input (CUDA, the ``block`` layout, dims
+    ``block_product`` of 1x128-group-quantized input (CUDA, the ``block`` layout, dims
     multiples of ``FP8_BLOCK``, more than ``GEMV_MAX_ROWS`` rows): a caller that can quantize
     the input as it computes it (``kernels.silu_and_mul.silu_and_mul_fp8``) may call
-    ``block_scaled_mm`` itself and skip writing the bfloat16 input."""
+    ``block_product`` itself and skip writing the bfloat16 input."""
     return (weight.is_cuda and weight_scale.dim() == 2 and rows > GEMV_MAX_ROWS
             and block_mm_fits(weight.shape[0], weight.shape[1]))
+
+
+def block_product(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                  rows: int, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Group-quantized input times a ``block`` weight (arguments as ``block_scaled_mm``):
+    up to ``W8A8_MAX_ROWS`` rows the weight-streaming kernel on the E4M3 input (its first
+    ``rows`` rows), above them ``block_scaled_mm``.
+
+    Returns:
+        ``[rows, N]`` in ``dtype``.
+    """
+    if rows <= W8A8_MAX_ROWS:
+        out = fp8_gemv(q[:rows], weight, weight_scale, bias, x_scale=scale)
+        return out if dtype == torch.bfloat16 else out.to(dtype)
+    return block_scaled_mm(q, scale, weight, weight_scale, rows, bias, dtype)
 
 
 def block_scaled_mm(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

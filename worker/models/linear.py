@@ -42,7 +42,7 @@ from worker.models.fp8 import (
     FP8_DTYPE,
     FP8_SCHEMES,
     SCALED_MM_ALIGN,
-    block_scaled_mm,
+    block_product,
     dequantize_weight,
     fp8_linear,
     quantize_weight,
@@ -197,8 +197,8 @@ class Linear(nn.Linear):
         ``silu_and_mul_fp8``, which quantizes as it computes (no bfloat16 intermediate)."""
         if self.is_fp8 and takes_group_quantized_input(gate_up.shape[0], self.weight, self.weight_scale):
             q, scale = silu_and_mul_fp8(gate_up, pad_rows_to=SCALED_MM_ALIGN)
-            return block_scaled_mm(q, scale, self.weight, self.weight_scale, gate_up.shape[0], self.bias,
-                                   gate_up.dtype)
+            return block_product(q, scale, self.weight, self.weight_scale, gate_up.shape[0], self.bias,
+                                 gate_up.dtype)
         return self(silu_and_mul(gate_up))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
