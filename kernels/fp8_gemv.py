@@ -1,6 +1,8 @@
 """Weight-streaming FP8 product for few rows (decode, 1-64 rows): ``x [M, K]``
 (bfloat16/float16, unquantized) times an E4M3 weight ``[N, K]`` dequantized in registers
-(W8A16).
+(W8A16); or, given ``x`` in E4M3 with one scale per row and 128 columns (``x_scale``,
+``fp8_quant.quantize_groups``), FP8 times FP8 on the tensor cores, each step's partial
+product scaled by the input's scales too (W8A8, its own plans: ``W8A8_PLANS``).
 
 A decode step multiplies a handful of rows by every weight of the model, so its time is
 the time to read the weight bytes. cuBLASLt's FP8 GEMM reads them at about half the copy
