@@ -20,7 +20,14 @@ from kernels.silu_and_mul import silu_and_mul, silu_and_mul_fp8
 from shared.model_source import DUMMY_CONFIGS
 from shared.sampling import SamplingParams
 from worker.llm import LLM
-from worker.models.fp8 import GEMV_MAX_ROWS, fp8_linear, fp8_linear_ref, quantize_weight, takes_group_quantized_input
+from worker.models.fp8 import (
+    GEMV_MAX_ROWS,
+    W8A8_MIN_ROWS,
+    fp8_linear,
+    fp8_linear_ref,
+    quantize_weight,
+    takes_group_quantized_input,
+)
 from worker.models.loader import fp8_linears
 
 pytestmark = pytest.mark.cuda
@@ -68,7 +75,7 @@ def test_silu_and_mul_fp8_is_the_two_kernels_in_turn(rows: int) -> None:
     assert torch.equal(q.float(), q2.float())
 
 
-@pytest.mark.parametrize("rows", [33, 64])
+@pytest.mark.parametrize("rows", [17, 32, 33, 64])
 @pytest.mark.parametrize("swap_ab", [False, True])
 def test_w8a8_gemv_matches_the_dequantized_product(rows: int, swap_ab: bool) -> None:
     """The kernel on E4M3 input (``x_scale``): the product of the dequantized input and
@@ -92,26 +99,29 @@ def test_w8a8_gemv_matches_the_dequantized_product(rows: int, swap_ab: bool) -> 
 
 
 def test_down_projection_quantizes_as_it_computes_its_input() -> None:
-    """An FP8 ``block`` down projection above ``GEMV_MAX_ROWS`` rows takes its input from
-    ``silu_and_mul_fp8``: exactly what the unfused path gives; below, the GEMV path."""
+    """An FP8 ``block`` down projection of ``W8A8_MIN_ROWS`` rows or more takes its input
+    from ``silu_and_mul_fp8``: exactly what the unfused path gives; below, the bf16 GEMV."""
     from worker.models.linear import Linear
 
     torch.manual_seed(0)
     down = Linear(256, 128, bias=True).to("cuda", torch.bfloat16)
     down.to_fp8("block")
-    for rows in (GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 100):
+    for rows in (W8A8_MIN_ROWS - 1, W8A8_MIN_ROWS, GEMV_MAX_ROWS + 1, 100):
         gate_up = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
-        assert takes_group_quantized_input(rows, down.weight, down.weight_scale) == (rows > GEMV_MAX_ROWS)
+        assert takes_group_quantized_input(rows, down.weight, down.weight_scale) == (rows >= W8A8_MIN_ROWS)
         torch.testing.assert_close(down.forward_silu_and_mul(gate_up), down(silu_and_mul(gate_up)), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("scheme", ["block", "channel"])
-@pytest.mark.parametrize("rows", [33, 64, 65, 333])
+@pytest.mark.parametrize("rows", [24, 33, 64, 65, 333])
 def test_scaled_mm_matches_reference(rows: int, scheme: str) -> None:
     """Above ``GEMV_MAX_ROWS`` rows ``_scaled_mm`` (row-wise, or 1x128 x 128x128 blocks
-    with the rows padded to 16), and for ``block`` weights up to ``W8A8_MAX_ROWS`` rows the
-    W8A8 kernel, accumulate the same FP8 products in float32 as the reference: only the
-    bf16 rounding of the output (2^-9 relative) and the summation order differ."""
+    with the rows padded to 16), and for ``block`` weights from ``W8A8_MIN_ROWS`` to
+    ``W8A8_MAX_ROWS`` rows the W8A8 kernel, accumulate the same FP8 products in float32 as
+    the reference: only the bf16 rounding of the output (2^-9 relative) and the summation
+    order differ."""
+    if scheme == "channel" and rows <= GEMV_MAX_ROWS:
+        pytest.skip("channel weights take the bf16-input kernel here (test_fp8_gemv_matches_reference)")
     torch.manual_seed(0)
     x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
     w, w_scale = quantize_weight(torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16) * 0.02, scheme)
@@ -137,8 +147,8 @@ def test_fp8_gemv_matches_reference(shape: tuple[int, int], rows: int, scheme: s
     out, ref = fp8_gemv(x, w, w_scale, bias), fp8_gemv_ref(x, w, w_scale, bias)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
     torch.testing.assert_close(out, ref, rtol=1e-2, atol=2e-3 * float(ref.abs().max()))
-    if rows <= GEMV_MAX_ROWS:  # the product fp8_linear runs for decode rows
-        assert torch.equal(fp8_linear(x, w, w_scale, bias), out)
+    if rows <= GEMV_MAX_ROWS and not takes_group_quantized_input(rows, w, w_scale):
+        assert torch.equal(fp8_linear(x, w, w_scale, bias), out)  # the product fp8_linear runs
 
 
 @pytest.mark.parametrize("swap_ab", [False, True])

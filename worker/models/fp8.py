@@ -17,9 +17,9 @@ measured table (``bench/fp8_quality.py``).
 
 On CUDA a product of up to ``GEMV_MAX_ROWS`` rows (decode) is ``kernels/fp8_gemv.py``: the
 activations stay in bfloat16 and the weight is streamed once, dequantized in registers
-(W8A16). With ``block`` weights, products of up to ``W8A8_MAX_ROWS`` rows (decode steps of
-33-64 sequences) run the same kernel on activations quantized per 1x128 group (W8A8: FP8
-by FP8 on the tensor cores). Larger products (prefill) quantize the activations and run cuBLASLt's FP8 GEMM,
+(W8A16). With ``block`` weights, products of ``W8A8_MIN_ROWS`` to ``W8A8_MAX_ROWS`` rows
+(decode steps of 17-64 sequences) run the same kernel on activations quantized per 1x128
+group instead (W8A8: FP8 by FP8 on the tensor cores). Larger products (prefill) quantize the activations and run cuBLASLt's FP8 GEMM,
 ``torch._scaled_mm``: per token with ``channel`` weights (row-wise scaling, SM89+), per
 1x128 group with ``block`` weights (DeepSeek-V3's recipe, SM90 and CUDA 12.9+; K and N
 multiples of 128, rows padded to a multiple of 16 for it); a ``block`` layer whose dims
@@ -30,8 +30,9 @@ On CPU (the reference, used by the quality test and bench/fp8_quality.py) the we
 are rounded through E4M3 with their scales at load and stored back in the model dtype
 (``Linear.dequantize_fp8``), and each product's input is rounded through E4M3 as the
 prefill path does (``round_inputs``: per token for ``channel``, per 1x128 group for
-``block``): the error of what CUDA serves, or slightly more for products of up to
-``GEMV_MAX_ROWS`` rows (decode), whose inputs CUDA does not round.
+``block``): the error of what CUDA serves, or slightly more for the products that run the
+bf16-input kernel (decode steps of up to 16 sequences with ``block`` weights, 32 with
+``channel``), whose inputs CUDA does not round.
 
 Embeddings, the LM head, norms, the MoE router and the MoE experts stay in the model
 dtype (the experts' fused kernel, ``kernels/fused_moe.py``, has no FP8 path).
@@ -79,9 +80,13 @@ FP8_SCHEMES = ("block", "channel")
 #: 32 rows against cuBLASLt's 0.140, 0.186 against 0.159 at 64 (bench/fp8_gemm_bench.py
 #: ``--sweep``; docs/benchmarks.md, "FP8 weights").
 GEMV_MAX_ROWS = 32
-#: Products of more rows than ``GEMV_MAX_ROWS``, up to this many, on ``block`` weights run
-#: the same kernel on group-quantized input (W8A8, ``fp8_gemv``'s ``x_scale``): 0.139 ms a
-#: layer at 64 rows against cuBLASLt's 0.157 (docs/benchmarks.md, "FP8 weights").
+#: Products of ``W8A8_MIN_ROWS`` to ``W8A8_MAX_ROWS`` rows on ``block`` weights (dims
+#: multiples of 128) run the same kernel on group-quantized input instead (W8A8,
+#: ``fp8_gemv``'s ``x_scale``), the quantization included: per layer 0.123 ms at 32 rows
+#: and 0.121 at 24 against 0.138 for the bf16-input kernel, 0.139 at 64 against cuBLASLt's
+#: 0.157 (H100 sweeps, docs/benchmarks.md, "FP8 weights"). Up to 16 rows the bf16-input
+#: kernel stays (no quantization launch, inputs unrounded).
+W8A8_MIN_ROWS = 17
 W8A8_MAX_ROWS = MAX_ROWS
 
 
@@ -139,9 +144,9 @@ def block_mm_fits(out_features: int, in_features: int) -> bool:
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ dequant(weight).T + bias`` with ``x [M, K]`` (bfloat16 or float16): on CUDA
-    ``fp8_gemv`` up to ``GEMV_MAX_ROWS`` rows, else on quantized activations ``fp8_gemv``
-    (``block`` weights, up to ``W8A8_MAX_ROWS`` rows) or ``torch._scaled_mm`` (module
-    docstring); ``fp8_linear_ref`` off CUDA.
+    ``fp8_gemv`` up to ``GEMV_MAX_ROWS`` rows (``block`` weights: up to 16), else on
+    quantized activations ``fp8_gemv`` (``block`` weights, up to ``W8A8_MAX_ROWS`` rows)
+    or ``torch._scaled_mm`` (module docstring); ``fp8_linear_ref`` off CUDA.
 
     Args:
         weight: ``[N, K]`` float8_e4m3fn, row-major (``_scaled_mm`` takes its transpose,
@@ -155,19 +160,18 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if not x.is_cuda:
         return fp8_linear_ref(x, weight, weight_scale, bias)
     m = x.shape[0]
-    if m <= GEMV_MAX_ROWS:
-        return fp8_gemv(x, weight, weight_scale, bias)
-    n, k = weight.shape
-    if weight_scale.dim() == 1:
-        q, scale = quantize_rows(x.contiguous())
-        out = torch._scaled_mm(q, weight.T, scale_a=scale, scale_b=weight_scale.view(1, -1),
-                               out_dtype=torch.bfloat16)
-    elif block_mm_fits(n, k):
+    if takes_group_quantized_input(m, weight, weight_scale):
         # Rows padded to the alignment and both scales "outer-dim-major" (column-major), as
         # cuBLASLt's block scaling wants them: the quantizer writes both so.
         q, scale = quantize_groups(x.contiguous(), pad_rows_to=SCALED_MM_ALIGN, scales_column_major=True)
         return block_product(q, scale, weight, weight_scale, m, bias, x.dtype)
-    else:
+    if m <= GEMV_MAX_ROWS:
+        return fp8_gemv(x, weight, weight_scale, bias)
+    if weight_scale.dim() == 1:
+        q, scale = quantize_rows(x.contiguous())
+        out = torch._scaled_mm(q, weight.T, scale_a=scale, scale_b=weight_scale.view(1, -1),
+                               out_dtype=torch.bfloat16)
+    else:  # block scales on dims that are not multiples of 128
         return F.linear(x, dequantize_weight(weight, weight_scale, x.dtype), bias)
     out = out if x.dtype == torch.bfloat16 else out.to(x.dtype)
     return out if bias is None else out + bias
@@ -176,10 +180,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 def takes_group_quantized_input(rows: int, weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
     """Whether ``fp8_linear`` runs a product of ``rows`` rows by this FP8 weight as
     ``block_product`` of 1x128-group-quantized input (CUDA, the ``block`` layout, dims
-    multiples of ``FP8_BLOCK``, more than ``GEMV_MAX_ROWS`` rows): a caller that can quantize
+    multiples of ``FP8_BLOCK``, at least ``W8A8_MIN_ROWS`` rows): a caller that can quantize
     the input as it computes it (``kernels.silu_and_mul.silu_and_mul_fp8``) may call
     ``block_product`` itself and skip writing the bfloat16 input."""
-    return (weight.is_cuda and weight_scale.dim() == 2 and rows > GEMV_MAX_ROWS
+    return (weight.is_cuda and weight_scale.dim() == 2 and rows >= W8A8_MIN_ROWS
             and block_mm_fits(weight.shape[0], weight.shape[1]))
 
 
