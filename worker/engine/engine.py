@@ -312,13 +312,19 @@ class LLMEngine:
                         and item.request.sampling.logprobs is None
                         and item.request.prompt_logprobs is None for item in out.scheduled))
 
+    def _in_pieces(self, requests: Sequence[Request]) -> bool:
+        """Whether a decode step of ``requests`` is enqueued piece by piece, to be looked
+        at between its pieces (``_finish_inflight``): its graphs come in pieces, the engine
+        looks at arrivals, and no request has a grammar (such a step samples under masks
+        filled once the previous tokens are applied: ``launch_forward``)."""
+        return (self.runner.step_stop is not None and self.runner.decode_pieces > 1
+                and all(r.grammar is None for r in requests))
+
     def _launch_decode(self, requests: Sequence[Request], positions: Sequence[int],
                        input_ids: Sequence[int] | torch.Tensor) -> DecodeLaunch | PiecewiseReplay:
         """Enqueue a decode step of ``requests`` (arguments as
-        ``ModelRunner.launch_decode``): whole, or, when its graphs come in pieces, the
-        engine looks at arrivals and no request has a grammar, its first piece only."""
-        if self.runner.step_stop is None or self.runner.decode_pieces < 2 or any(r.grammar is not None
-                                                                                for r in requests):
+        ``ModelRunner.launch_decode``): its first piece only when ``_in_pieces``, else whole."""
+        if not self._in_pieces(requests):
             return self.runner.launch_decode(requests, positions, input_ids)
         return self.runner.begin_decode(requests, self.runner.prepare_decode(requests, positions, input_ids))
 
@@ -371,7 +377,7 @@ class LLMEngine:
                 self._inflight = None
                 return self._apply(out, token_ids)  # type: ignore[arg-type]
             self.num_async_steps += 1
-            if self.runner.decode_pieces > 1:  # its later pieces follow in the next call
+            if self._in_pieces(requests):  # its later pieces follow in the next call
                 self._inflight = nxt, self.runner.begin_decode(requests, max_seq_len)
             else:
                 self._inflight = nxt, self.runner.replay_decode(requests, max_seq_len)
