@@ -113,20 +113,34 @@ if triton is not None:
 
 
     @triton.jit
+    def group_tile(num_groups, GROUP: tl.constexpr, GROUPS: tl.constexpr):
+        """This program's share of a group kernel's grid ``(rows, ceil(num_groups /
+        GROUPS))``: ``(row, offs_g [GROUPS], in_row [GROUPS], cols [GROUPS, GROUP])``, the
+        row (int64), its groups, which of them exist, and their columns."""
+        row = tl.program_id(0).to(tl.int64)
+        offs_g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+        cols = offs_g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        return row, offs_g, offs_g < num_groups, cols
+
+    @triton.jit
+    def store_quantized_groups(y, row, offs_g, in_row, cols, q_ptr, s_ptr, stride_q, stride_sr, stride_sg,
+                               QMAX: tl.constexpr, AMIN: tl.constexpr):
+        """Quantize the float32 tile ``y [GROUPS, GROUP]`` (``group_tile``'s groups of
+        ``row``) per group, ``amax / QMAX`` each, and store the E4M3 values and the scales."""
+        scale = tl.maximum(tl.max(tl.abs(y), axis=1), AMIN) / QMAX
+        tl.store(s_ptr + row * stride_sr + offs_g * stride_sg, scale, mask=in_row)
+        q = tl.clamp(tl.math.div_rn(y, scale[:, None]), -QMAX, QMAX)
+        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=in_row[:, None])
+
+    @triton.jit
     def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, rows, num_groups, stride_x, stride_q, stride_sr, stride_sg,
                                 GROUP: tl.constexpr, GROUPS: tl.constexpr, QMAX: tl.constexpr,
                                 AMIN: tl.constexpr):
         # Program (row, j): groups j * GROUPS .. of one row, as a [GROUPS, GROUP] tile; a row
         # at or past ``rows`` is padding (read as zeros).
-        row = tl.program_id(0).to(tl.int64)
-        offs_g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-        in_row = offs_g < num_groups
-        cols = offs_g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        row, offs_g, in_row, cols = group_tile(num_groups, GROUP, GROUPS)
         x = tl.load(x_ptr + row * stride_x + cols, mask=in_row[:, None] & (row < rows), other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=1), AMIN) / QMAX
-        tl.store(s_ptr + row * stride_sr + offs_g * stride_sg, scale, mask=in_row)
-        q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -QMAX, QMAX)
-        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=in_row[:, None])
+        store_quantized_groups(x, row, offs_g, in_row, cols, q_ptr, s_ptr, stride_q, stride_sr, stride_sg, QMAX, AMIN)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,6 +33,7 @@ except ImportError:
     triton = None
 
 if triton is not None:
+    from kernels.fp8_quant import group_tile, store_quantized_groups
 
     @triton.jit
     def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr):
@@ -51,19 +52,13 @@ if triton is not None:
                                  stride_sg, GROUP: tl.constexpr, GROUPS: tl.constexpr, QMAX: tl.constexpr,
                                  AMIN: tl.constexpr):
         # ``_silu_and_mul_kernel``'s product, rounded to the input dtype as it stores it, then
-        # ``fp8_quant._quantize_groups_kernel``'s math on a [GROUPS, GROUP] tile of one row.
-        row = tl.program_id(0).to(tl.int64)
-        offs_g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-        in_row = offs_g < num_groups
-        cols = offs_g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        # the group quantizer's math (``fp8_quant``) on a [GROUPS, GROUP] tile of one row.
+        row, offs_g, in_row, cols = group_tile(num_groups, GROUP, GROUPS)
         mask = in_row[:, None] & (row < rows)
         gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0)
         y = ((gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(y), axis=1), AMIN) / QMAX
-        tl.store(s_ptr + row * stride_sr + offs_g * stride_sg, scale, mask=in_row)
-        q = tl.clamp(tl.math.div_rn(y, scale[:, None]), -QMAX, QMAX)
-        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=in_row[:, None])
+        store_quantized_groups(y, row, offs_g, in_row, cols, q_ptr, s_ptr, stride_q, stride_sr, stride_sg, QMAX, AMIN)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
