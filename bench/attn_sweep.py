@@ -41,12 +41,26 @@ def time_us(fn, reps: int = 20) -> float:
     return s.elapsed_time(e) * 1e3 / (5 * reps)
 
 
+def time_config(cfg: dict, call: functools.partial, out: torch.Tensor, ref: torch.Tensor, reps: int = 20) -> dict:
+    """``{"us", "rel_err"}`` of ``call`` (a ``paged_attention`` call writing ``out``) under
+    the launch config ``cfg`` in place of ``_attention_config``'s, or ``{"error"}`` when
+    it does not compile or fit."""
+    base_cfg = pa._attention_config
+    pa._attention_config = lambda *a: cfg
+    try:
+        us = time_us(call, reps=reps)
+        return {"us": us, "rel_err": ((out.float() - ref).norm() / ref.norm()).item()}
+    except Exception as exc:  # noqa: BLE001 - a config that does not compile or fit
+        return {"error": repr(exc)[:80]}
+    finally:
+        pa._attention_config = base_cfg
+
+
 def prefill_sweep() -> list[dict]:
     """The prefill launch's configs on whole prompts (no earlier context), best first per point."""
     nh, nkv, d, bs = 28, 4, 128, 16
     dev, dt = "cuda", torch.bfloat16
     results = []
-    base_cfg = pa._attention_config
     for num_prompts, length in ((2, 2048), (8, 512)):
         blocks_per_seq = length // bs
         num_blocks = num_prompts * blocks_per_seq * 2
@@ -58,24 +72,17 @@ def prefill_sweep() -> list[dict]:
         lens = torch.full((num_prompts,), length, device=dev, dtype=torch.int32)
         out = torch.empty_like(q)
         ref = pa.paged_attention_ref(q.float(), kc.float(), vc.float(), tables, qsl, lens, d ** -0.5)
-        default = base_cfg(dt, nh // nkv, num_prompts, nkv, length, length, pa._num_sms(q.device))
+        default = pa._attention_config(dt, nh // nkv, num_prompts, nkv, length, length, pa._num_sms(q.device))
         rows = []
+        call = functools.partial(pa.paged_attention, q, kc, vc, tables, qsl, lens, d ** -0.5, out,
+                                 max_query_len=length, max_seq_len=length)
         for block_m, tile, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
             cfg = dict(default, BLOCK_M=block_m, BLOCK_Q=block_m // (nh // nkv), TILE=tile, num_warps=warps,
                        num_stages=stages)
-            pa._attention_config = lambda *a, cfg=cfg: cfg
-            try:
-                us = time_us(functools.partial(pa.paged_attention, q, kc, vc, tables, qsl, lens, d ** -0.5, out,
-                                               max_query_len=length, max_seq_len=length), reps=5)
-                err = ((out.float() - ref).norm() / ref.norm()).item()
-            except Exception as exc:  # noqa: BLE001 - a config that does not compile or fit
-                rows.append({"block_m": block_m, "tile": tile, "warps": warps, "stages": stages,
-                             "error": repr(exc)[:80]})
-                continue
-            finally:
-                pa._attention_config = base_cfg
-            rows.append({"block_m": block_m, "tile": tile, "warps": warps, "stages": stages, "us": round(us, 1),
-                         "rel_err": err})
+            r = time_config(cfg, call, out, ref, reps=5)
+            if "us" in r:
+                r["us"] = round(r["us"], 1)
+            rows.append({"block_m": block_m, "tile": tile, "warps": warps, "stages": stages} | r)
         ok = sorted((r for r in rows if "us" in r and r["rel_err"] < 1e-2), key=lambda r: r["us"])
         cur = next((r for r in ok if r["block_m"] == default["BLOCK_M"] and r["tile"] == default["TILE"]
                     and r["warps"] == default["num_warps"] and r["stages"] == default["num_stages"]), None)
@@ -102,7 +109,6 @@ def main() -> None:
     nh, nkv, d, bs = 28, 4, 128, 16
     dev, dt = "cuda", torch.bfloat16
     results = []
-    base_cfg = pa._attention_config
     for batch, ctx in ((1, 330), (8, 330), (64, 330), (128, 330), (64, 2048), (1, 4096)):
         blocks_per_seq = -(-ctx // bs)
         # Each call reads its own blocks, spread over a cache >> L2 so L2 does not flatter.
@@ -115,24 +121,18 @@ def main() -> None:
         lens = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
         out = torch.empty_like(q)
         ref = pa.paged_attention_ref(q.float(), kc.float(), vc.float(), tables, qsl, lens, d ** -0.5)
-        default = base_cfg(dt, nh // nkv, batch, nkv, 1, ctx, pa._num_sms(q.device))
+        default = pa._attention_config(dt, nh // nkv, batch, nkv, 1, ctx, pa._num_sms(q.device))
         rows = []
+        call = functools.partial(pa.paged_attention, q, kc, vc, tables, qsl, lens, d ** -0.5, out,
+                                 max_query_len=1, max_seq_len=ctx)
         for tile, warps, stages, splits in itertools.product((32, 64, 128), (4, 8), (2, 3), (1, 2, 4, 8)):
             if splits > 1 and -(-ctx // tile) < splits:
                 continue
             cfg = dict(default, TILE=tile, num_warps=warps, num_stages=stages, NUM_SPLITS=splits)
-            pa._attention_config = lambda *a, cfg=cfg: cfg
-            try:
-                us = time_us(functools.partial(pa.paged_attention, q, kc, vc, tables, qsl, lens, d ** -0.5, out,
-                                               max_query_len=1, max_seq_len=ctx))
-                err = ((out.float() - ref).norm() / ref.norm()).item()
-            except Exception as exc:  # noqa: BLE001 - a config that does not compile
-                rows.append({"tile": tile, "warps": warps, "stages": stages, "splits": splits, "error": repr(exc)[:80]})
-                continue
-            finally:
-                pa._attention_config = base_cfg
-            rows.append({"tile": tile, "warps": warps, "stages": stages, "splits": splits, "us": round(us, 2),
-                         "rel_err": err})
+            r = time_config(cfg, call, out, ref)
+            if "us" in r:
+                r["us"] = round(r["us"], 2)
+            rows.append({"tile": tile, "warps": warps, "stages": stages, "splits": splits} | r)
         ok = [r for r in rows if "us" in r and r["rel_err"] < 1e-2]
         best = min(ok, key=lambda r: r["us"])
         cur = next((r for r in ok if r["tile"] == default["TILE"] and r["warps"] == default["num_warps"]
