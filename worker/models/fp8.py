@@ -161,9 +161,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         return fp8_linear_ref(x, weight, weight_scale, bias)
     m = x.shape[0]
     if takes_group_quantized_input(m, weight, weight_scale):
-        # Rows padded to the alignment and both scales "outer-dim-major" (column-major), as
-        # cuBLASLt's block scaling wants them: the quantizer writes both so.
-        q, scale = quantize_groups(x.contiguous(), pad_rows_to=SCALED_MM_ALIGN, scales_column_major=True)
+        # Both scales "outer-dim-major" (column-major) and the rows padded to the alignment,
+        # as cuBLASLt's block scaling wants them: the quantizer writes them so.
+        q, scale = quantize_groups(x.contiguous(), pad_rows_to=block_input_padding(m), scales_column_major=True)
         return block_product(q, scale, weight, weight_scale, m, bias, x.dtype)
     if m <= GEMV_MAX_ROWS:
         return fp8_gemv(x, weight, weight_scale, bias)
@@ -185,6 +185,13 @@ def takes_group_quantized_input(rows: int, weight: torch.Tensor, weight_scale: t
     ``block_product`` itself and skip writing the bfloat16 input."""
     return (weight.is_cuda and weight_scale.dim() == 2 and rows >= W8A8_MIN_ROWS
             and block_mm_fits(weight.shape[0], weight.shape[1]))
+
+
+def block_input_padding(rows: int) -> int:
+    """The row multiple that group-quantized input of ``rows`` rows is padded to for
+    ``block_product``: ``SCALED_MM_ALIGN`` where ``torch._scaled_mm`` takes it (more than
+    ``W8A8_MAX_ROWS`` rows), else 1 (the W8A8 kernel reads only the rows it is given)."""
+    return SCALED_MM_ALIGN if rows > W8A8_MAX_ROWS else 1
 
 
 def block_product(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -41,7 +41,7 @@ from kernels.silu_and_mul import silu_and_mul, silu_and_mul_fp8
 from worker.models.fp8 import (
     FP8_DTYPE,
     FP8_SCHEMES,
-    SCALED_MM_ALIGN,
+    block_input_padding,
     block_product,
     dequantize_weight,
     fp8_linear,
@@ -196,7 +196,7 @@ class Linear(nn.Linear):
         ``fp8_linear`` would run on group-quantized input gets it from
         ``silu_and_mul_fp8``, which quantizes as it computes (no bfloat16 intermediate)."""
         if self.is_fp8 and takes_group_quantized_input(gate_up.shape[0], self.weight, self.weight_scale):
-            q, scale = silu_and_mul_fp8(gate_up, pad_rows_to=SCALED_MM_ALIGN)
+            q, scale = silu_and_mul_fp8(gate_up, pad_rows_to=block_input_padding(gate_up.shape[0]))
             return block_product(q, scale, self.weight, self.weight_scale, gate_up.shape[0], self.bias,
                                  gate_up.dtype)
         return self(silu_and_mul(gate_up))
