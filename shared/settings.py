@@ -116,6 +116,9 @@ class EngineSettings:
         "auto (the model's dtype) | fp8 (float8 e4m3, K bias calibrated at load: about twice the tokens per byte)"))
     async_scheduling: bool = field(default=True, metadata=_doc(
         "With CUDA graphs, enqueue the next decode step before the current one's tokens reach the host"))
+    schedule_ahead: bool = field(default=True, metadata=_doc(
+        "With async scheduling, schedule every step while the one before it runs, steps that carry prefill "
+        "chunks too, not only a decode step that follows one"))
     prefill_tokens_per_decode: int = field(default=8, metadata=_doc(
         "With CUDA graphs, in a step that carries decodes: most prefill tokens per decoding sequence "
         "(at least 512; 0: no cap), which bounds the inter-token latency a long prompt adds"))

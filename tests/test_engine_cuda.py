@@ -116,6 +116,9 @@ def _scripted_run(async_scheduling: bool, stop_tokens: dict[int, int]) -> dict[s
     stats = engine.stats()
     assert stats.num_free_blocks == stats.num_blocks
     assert (engine.num_async_steps > 0) == async_scheduling
+    # Steps scheduled while the one before them ran (``_look_ahead``): those that admit
+    # the arrivals or follow a prefill, through the mixed-step graphs.
+    assert (engine.num_steps_ahead > 0) == async_scheduling
     del llm
     gc.collect()
     torch.cuda.empty_cache()

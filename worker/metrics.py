@@ -57,7 +57,8 @@ FAMILIES = (
             "Seconds the engine thread spent in steps (the rest of the wall time it waited for the worker loop)",
             lambda w, s: w.steps.busy_s),
     _Family("inferq:engine_async_steps", "counter",
-            "Decode steps enqueued behind one still in flight (async scheduling)",
+            "Steps enqueued behind one still in flight (async scheduling: decode steps, and steps that carry "
+            "prefill chunks)",
             lambda w, s: getattr(w.backend, "num_async_steps", 0)),
     _Family("inferq:engine_steps_stopped", "counter",
             "Eager steps stopped between layers because a request was announced of a class above the step's "

@@ -20,7 +20,7 @@ from worker.engine.block_manager import BlockManager
 from worker.engine.cuda_graphs import PiecewiseReplay
 from worker.engine.draft_proposer import DraftProposer, draft_num_blocks, load_draft_model
 from worker.engine.kv_calibration import kv_calibration_ids
-from worker.engine.model_runner import DecodeLaunch, ModelRunner, decode_inputs, kv_cache_dtype
+from worker.engine.model_runner import ModelRunner, StepLaunch, decode_inputs, kv_cache_dtype
 from worker.engine.request import Request
 from worker.engine.scheduler import Scheduler, SchedulerOutput
 from worker.engine.spec_decode import NgramProposer, Proposer, SpecStats
@@ -133,11 +133,23 @@ class LLMEngine:
         self.grammars = GrammarCache(
             partial(build_tokenizer, source.path, self.model_config.vocab_size, self.eos_token_ids)
             if source.path is not None and source.has_tokenizer else None)
-        # The decode step enqueued on the GPU and not yet applied (async scheduling): whole,
-        # or its first piece only (``graph_pieces``; ``_finish_inflight`` looks, then
+        # The step enqueued on the GPU and not yet applied (async scheduling): whole, or a
+        # decode step's first piece only (``graph_pieces``; ``_finish_inflight`` looks, then
         # replays the rest).
-        self._inflight: tuple[SchedulerOutput, DecodeLaunch | PiecewiseReplay] | None = None
-        self.num_async_steps = 0  # decode steps enqueued behind one still in flight
+        self._inflight: tuple[SchedulerOutput, StepLaunch | PiecewiseReplay] | None = None
+        self.num_async_steps = 0  # steps enqueued behind one still in flight
+        # Scheduled ahead of the step in flight but not enqueued (``_look_ahead``): runs
+        # synchronously in the next call.
+        self._next: SchedulerOutput | None = None
+        #: Whether any step may be scheduled while the one before it runs
+        #: (``_look_ahead``): with the CUDA graphs, async scheduling and ``schedule_ahead``,
+        #: not under tensor parallelism or speculative decoding. Off on CPU, where a step
+        #: runs in the caller's thread and a step scheduled ahead would only hold its
+        #: predecessor's tokens back; tests turn it on there to check the bookkeeping.
+        self.look_ahead = (es.async_scheduling and es.schedule_ahead and self.runner.graphs is not None
+                           and self.runner.mixed is not None and self.runner.step_sync is None
+                           and self.proposer is None)
+        self.num_steps_ahead = 0  # steps scheduled while the one before them ran
         # What was announced since the worker last pulled (``note_arrival``).
         self.arrivals = Arrivals()
         self.num_chains_withheld = 0  # decode steps not chained for an arrival (``_finish_inflight``)
@@ -201,7 +213,7 @@ class LLMEngine:
             self.proposer.free(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or self._inflight is not None
+        return self.scheduler.num_unfinished > 0 or self._inflight is not None or self._next is not None
 
     def num_admittable(self, priority: int | None = None) -> int:
         """How many new requests (of class ``priority`` or higher, when given) the worker
@@ -224,12 +236,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one forward pass; return the new tokens of every request that got one.
 
-        With async scheduling (CUDA graphs, ``async_scheduling``), a pure decode step
-        is enqueued before the previous one's tokens reach the host: its input ids are
-        the previous step's sampled ids on the device, so the host's bookkeeping of
-        step N (fetching ids, stop checks, publishing) overlaps the GPU's step N + 1,
-        as in vLLM's async scheduling. A request that stops at step N has computed one
-        wasted token in step N + 1, which is dropped.
+        With async scheduling (CUDA graphs, ``async_scheduling``), step N + 1 is
+        scheduled and enqueued before step N's tokens reach the host: its decode tokens'
+        input ids are step N's sampled ids on the device, so the host's bookkeeping of
+        step N (fetching ids, stop checks, publishing, the worker's pull) overlaps the
+        GPU's step N + 1, as in vLLM's async scheduling. A decode step that follows one
+        of the same requests takes the decode chain (``_finish_inflight``); any other
+        step, one that admits requests or carries prefill chunks, is scheduled on the
+        view of step N applied (``_look_ahead``, ``schedule_ahead``). A request that stops
+        at step N has computed one wasted token in step N + 1, which is dropped.
 
         Returns ``[]`` with requests still running when a step stopped between layers
         (eager) or pieces (replays) for an announced request (``step_stop``): nothing of
@@ -237,17 +252,22 @@ class LLMEngine:
         """
         if self._inflight is not None:
             return self._finish_inflight()
-        if self.proposer is not None:
-            self.proposer.propose(self.scheduler.running)
-        out = self.scheduler.schedule()
-        if self.proposer is not None:
-            for request in out.preempted:  # a draft model's KV of it is recomputed when it resumes
-                self.proposer.preempted(request.request_id)
+        out = self._take_next()
+        if out is None or out.is_empty:
+            if self.proposer is not None:
+                self.proposer.propose(self.scheduler.running)
+            out = self.scheduler.schedule()
+            if self.proposer is not None:
+                for request in out.preempted:  # a draft model's KV of it is recomputed when it resumes
+                    self.proposer.preempted(request.request_id)
         if out.is_empty:
             return []
         if self._async_decode_ok(out):
             requests = [item.request for item in out.scheduled]
             self._inflight = out, self._launch_decode(requests, *decode_inputs(requests))
+            return self._finish_inflight()
+        if self.look_ahead and self._async_step_ok(out):
+            self._inflight = out, self.runner.launch_step(out.scheduled)
             return self._finish_inflight()
         self.step_stop.lowest_class = max(item.request.priority for item in out.scheduled)
         try:
@@ -321,7 +341,7 @@ class LLMEngine:
                 and all(r.grammar is None for r in requests))
 
     def _launch_decode(self, requests: Sequence[Request], positions: Sequence[int],
-                       input_ids: Sequence[int] | torch.Tensor) -> DecodeLaunch | PiecewiseReplay:
+                       input_ids: Sequence[int] | torch.Tensor) -> StepLaunch | PiecewiseReplay:
         """Enqueue a decode step of ``requests`` (arguments as
         ``ModelRunner.launch_decode``): its first piece only when ``_in_pieces``, else whole."""
         if not self._in_pieces(requests):
@@ -353,9 +373,12 @@ class LLMEngine:
             launch = self.runner.launch_sample(logits, requests)
             self._inflight = out, launch
         self.arrivals.step_ended(stopped=False)
-        if not self.scheduler.can_schedule_next_decode(out):
-            self._inflight = None
-            return self._apply(out, launch.token_ids())  # type: ignore[arg-type]
+        # The decode chain below follows a decode step only (``launch_step`` enqueues others),
+        # through the decode graphs (not on CPU, where tests look ahead eagerly).
+        if not (self.runner.can_launch_decode(len(out.scheduled))
+                and all(item.num_tokens == 1 and item.samples for item in out.scheduled)
+                and self.scheduler.can_schedule_next_decode(out)):
+            return self._look_ahead(out, launch)  # type: ignore[arg-type]
         nxt = self.scheduler.schedule_next_decode(out)
         requests = [item.request for item in nxt.scheduled]
         # One position past the token in flight, which the host has not applied yet.
@@ -398,6 +421,62 @@ class LLMEngine:
             if r.status.finished:
                 self._free(r)
         return outputs
+
+    def _async_step_ok(self, out: SchedulerOutput) -> bool:
+        """A step ``ModelRunner.launch_step`` may enqueue without waiting: no item needs
+        its token history on the host (penalties), a grammar's mask (filled from the
+        tokens applied), logprobs or prompt logprobs (fetched with the ids), and the
+        graphs hold it; nor while the engine may stop a step for an announced request
+        (``StepStop.armed``), which only the synchronous path does."""
+        if self.runner.step_stop is not None:
+            self.step_stop.lowest_class = max(item.request.priority for item in out.scheduled)
+            if self.step_stop.armed:
+                return False
+        return self.runner.can_launch_step(out.scheduled) and all(
+            item.request.grammar is None and not item.request.sampling.needs_penalties
+            and item.request.sampling.logprobs is None and item.request.prompt_logprobs is None
+            for item in out.scheduled)
+
+    def _take_next(self) -> SchedulerOutput | None:
+        """The step that ``_look_ahead`` scheduled and left to run now, without the items
+        of requests that finished (or were aborted) since; None when there is none."""
+        out, self._next = self._next, None
+        if out is not None:
+            out.scheduled = [item for item in out.scheduled if not item.request.status.finished]
+        return out
+
+    def _look_ahead(self, out: SchedulerOutput, launch: StepLaunch) -> list[RequestOutput]:
+        """Apply ``out``, the step in flight (``launch``), and before waiting for its
+        tokens schedule the next step (``Scheduler.ahead_of``) and, when it can go without
+        waiting (``_async_step_ok``), enqueue it behind ``out``: its decode tokens are
+        ``out``'s sampled ids, copied on the device (``ModelRunner.launch_step``). The
+        host's apply, the worker's publish and its pull of new requests then overlap the
+        GPU, for steps that carry prefill chunks as for decodes. A step scheduled ahead
+        that cannot be enqueued now (a newcomer that needs a grammar, logprobs or
+        penalties) runs synchronously in the next call (``_next``). Not when a request was
+        announced that would take the place of work the next step carries
+        (``Arrivals.preempts``): the worker pulls it first, as without async scheduling."""
+        flags = [item.samples for item in out.scheduled]  # before any update
+        self._inflight = None
+        running = self.scheduler.running
+        if self.look_ahead and running and not self.arrivals.preempts(self.scheduler, running[-1].priority):
+            rows = {item.request: row for row, item in enumerate(i for i, f in zip(out.scheduled, flags) if f)}
+            with self.scheduler.ahead_of(out) as nxt:
+                if not nxt.is_empty and self._async_step_ok(nxt):
+                    from_device, start = [], 0
+                    for item in nxt.scheduled:
+                        r = item.request
+                        if r.num_pending_tokens and r.num_computed_tokens == len(r.token_ids):
+                            from_device.append((start, rows[r]))  # its input is the token in flight
+                        start += item.num_tokens
+                    self._inflight = nxt, self.runner.launch_step(nxt.scheduled, from_device, launch.sampled)
+                    self.num_async_steps += 1
+                    self.num_steps_ahead += 1
+                elif not nxt.is_empty:
+                    self._next = nxt
+                    self.num_steps_ahead += 1
+        ids = iter(launch.token_ids())
+        return self._apply(out, [next(ids) if f else None for f in flags])
 
     def stats(self) -> EngineStats:
         return self.scheduler.make_stats()

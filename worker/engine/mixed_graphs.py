@@ -276,12 +276,18 @@ class MixedGraphs:
         """
         return self.begin(batch).finish()
 
-    def begin(self, batch: Sequence[ScheduledRequest]) -> PiecewiseReplay:
+    def begin(self, batch: Sequence[ScheduledRequest],
+              device_ids: tuple[torch.Tensor, torch.Tensor] | None = None) -> PiecewiseReplay:
         """As ``run``, but replay the first piece only: the caller replays the others
-        (``PiecewiseReplay``; its ``output`` is ``run``'s rows), or drops the step."""
+        (``PiecewiseReplay``; its ``output`` is ``run``'s rows), or drops the step.
+        ``device_ids``: ``(token indices [k], ids [k])``, both int64 on the device, input
+        ids written over the packed ones after the upload (tokens sampled by a step still
+        in flight: ``ModelRunner.launch_step``)."""
         num_tokens = sum(item.num_tokens for item in batch)
         bucket = next(b for b in self.buckets if b >= num_tokens)
         shape = self.inputs.fill(batch, pad_tokens_to=bucket)
         self.inputs.upload()
+        if device_ids is not None:  # input_ids lead the int64 buffer
+            self.inputs.dev64.index_copy_(0, *device_ids)
         self.num_replays += 1
         return self.pieces.begin(self.graphs[bucket], self.rows[:shape.num_sampled])

@@ -90,12 +90,18 @@ def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype:
             for _ in range(cfg.num_layers)]
 
 
-class DecodeLaunch:
-    """A decode step enqueued on the GPU: its sampled ids on the device, and a copy of
-    them to pinned host memory that ``token_ids`` waits for."""
+class StepLaunch:
+    """A step enqueued on the GPU (a decode step, or any step that ``launch_step`` took):
+    its sampled ids on the device, one per sampling item in batch order, and a copy of
+    them to pinned host memory that ``token_ids`` waits for. On CPU the step has run
+    already and the ids are the host's."""
 
     def __init__(self, sampled: torch.Tensor) -> None:
-        self.sampled = sampled  # [n] int64, device
+        self.sampled = sampled  # [num_sampled] int64, device
+        self._ready: torch.cuda.Event | None = None
+        if sampled.device.type != "cuda":
+            self._host = sampled
+            return
         self._host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
         self._host.copy_(sampled, non_blocking=True)
         self._ready = torch.cuda.Event()
@@ -103,7 +109,8 @@ class DecodeLaunch:
 
     def token_ids(self) -> list[int]:
         """The sampled ids; blocks until the step has run."""
-        self._ready.synchronize()
+        if self._ready is not None:
+            self._ready.synchronize()
         return self._host.tolist()
 
 
@@ -285,12 +292,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch_decode(self, requests: Sequence[Request], positions: Sequence[int],
-                      input_ids: Sequence[int] | torch.Tensor) -> DecodeLaunch:
+                      input_ids: Sequence[int] | torch.Tensor) -> StepLaunch:
         """Enqueue a decode step (one token per request) through the CUDA graphs and its
         sampling, without waiting for the GPU. Arguments as ``_decode_logits``.
 
         Returns:
-            The launch; ``DecodeLaunch.token_ids()`` waits for and returns the sampled ids.
+            The launch; ``StepLaunch.token_ids()`` waits for and returns the sampled ids.
         """
         return self.launch_sample(self.launch_forward(requests, positions, input_ids), requests)
 
@@ -310,7 +317,7 @@ class ModelRunner:
         return self._prepare_decode(requests, positions, input_ids)
 
     @torch.inference_mode()
-    def replay_decode(self, requests: Sequence[Request], max_seq_len: int) -> DecodeLaunch:
+    def replay_decode(self, requests: Sequence[Request], max_seq_len: int) -> StepLaunch:
         """The rest of ``launch_decode`` after ``prepare_decode``: replay the graph and
         enqueue the sampling; ``max_seq_len`` is what ``prepare_decode`` returned."""
         return self.launch_sample(self._replay_decode(len(requests), max_seq_len), requests)
@@ -357,13 +364,80 @@ class ModelRunner:
         return self._decode_logits(requests, positions, input_ids)
 
     @torch.inference_mode()
-    def launch_sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> DecodeLaunch:
+    def launch_sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> StepLaunch:
         """The second half of ``launch_decode``: sample ``logits`` (``launch_forward``'s)
         under the requests' grammar masks, filled now on the host, and enqueue the ids'
         copy to the host without waiting."""
         ids, raw = self._sample(logits, requests)
         assert raw is None, "requests with logprobs take the synchronous path (LLMEngine._async_decode_ok)"
-        return DecodeLaunch(ids)
+        return StepLaunch(ids)
+
+    def can_launch_step(self, batch: Sequence[ScheduledRequest]) -> bool:
+        """True when ``launch_step`` can enqueue ``batch`` without waiting: a decode step
+        the decode graphs hold, or a step the mixed-step graphs hold; no item verifies
+        drafts or scores prompt positions. On CPU (no graphs) any such step: it runs
+        eagerly there (``launch_step``)."""
+        if any(item.num_spec_tokens for item in batch) or prompt_spans(batch):
+            return False
+        if self.device.type != "cuda":
+            return True
+        if self.can_launch_decode(len(batch)) and all(item.num_tokens == 1 and item.samples for item in batch):
+            return True
+        return self.mixed is not None and self.mixed.fits(sum(item.num_tokens for item in batch), len(batch))
+
+    @torch.inference_mode()
+    def launch_step(self, batch: Sequence[ScheduledRequest], from_device: Sequence[tuple[int, int]] = (),
+                    sampled: torch.Tensor | None = None) -> StepLaunch:
+        """Enqueue a step (check ``can_launch_step``) and its sampling without waiting for
+        the GPU: through the decode graphs when every item decodes one token, else the
+        mixed-step graphs, whole (not piece by piece); eagerly on CPU.
+
+        Args:
+            batch: the step, packed from the requests' state now (``StepInputs.fill``).
+            from_device: ``(token index in the step, row of sampled)`` for each input
+                token sampled by the step still in flight (``Request.num_pending_tokens``:
+                ``input_token_ids`` holds a 0 there); the launch copies those ids on the
+                device, after the inputs' upload, so nothing waits for them.
+            sampled: ``[m]`` int64 on the device, that step's sampled ids
+                (``StepLaunch.sampled``); needed when ``from_device`` is not empty.
+
+        Returns:
+            The launch: ``StepLaunch.token_ids()`` gives one id per item that samples,
+            in batch order.
+
+        Raises:
+            AssertionError: an item asks for logprobs (``RawLogprobs`` is fetched with the
+                ids: the engine runs such a step synchronously).
+        """
+        sampled_requests = [item.request for item in batch if item.samples]
+        ids = ids_index = None
+        if from_device:
+            assert sampled is not None
+            index = host_list_to_device([i for i, _ in from_device] + [row for _, row in from_device],
+                                        torch.int64, self.device)
+            ids_index, ids = index[:len(from_device)], sampled.index_select(0, index[len(from_device):])
+        if self.device.type == "cuda" and self.can_launch_decode(len(batch)) and all(
+                item.num_tokens == 1 and item.samples for item in batch):
+            requests = [item.request for item in batch]
+            max_seq_len = self._prepare_decode(requests, [item.request.num_computed_tokens for item in batch],
+                                               [item.input_token_ids()[0] for item in batch])
+            if ids is not None:  # the decode graphs' input ids lead their int64 buffer
+                self.graphs.inputs.dev64.index_copy_(0, ids_index, ids)  # type: ignore[union-attr]
+            logits = self._replay_decode(len(requests), max_seq_len)
+        elif self.device.type == "cuda":
+            assert self.mixed is not None
+            rows = self.mixed.begin(batch, (ids_index, ids) if ids is not None else None).finish()
+            logits = self.model.compute_logits(rows) if sampled_requests else None
+        else:
+            self.num_eager_steps += 1
+            input_ids, positions, meta, logits_indices = self.prepare(batch)
+            if ids is not None:
+                input_ids.index_copy_(0, ids_index, ids)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+            logits = self.model.compute_logits(hidden.index_select(0, logits_indices)) if sampled_requests else None
+        if logits is None:
+            return StepLaunch(torch.empty(0, dtype=torch.int64, device=self.device))
+        return self.launch_sample(logits, sampled_requests)
 
     @torch.inference_mode()
     def execute(self, batch: Sequence[ScheduledRequest], while_gpu_runs: Callable[[], None] | None = None

@@ -61,6 +61,9 @@ class Request:
     a class, the scheduler shares sequence slots between tenants (``Scheduler``).
     ``spec_token_ids``: draft tokens proposed for the next step (speculative decoding,
     ``worker/engine/spec_decode.py``), not part of ``token_ids``; ``[]``: none.
+    ``num_pending_tokens``: tokens sampled on the device by a step in flight and not in
+    ``token_ids`` yet; nonzero only while the scheduler looks ahead past that step
+    (``Scheduler.ahead_of``), 0 everywhere else.
     """
 
     request_id: str
@@ -80,6 +83,7 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] | None = None
     spec_token_ids: list[int] = field(default_factory=list)
+    num_pending_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -92,6 +96,12 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose KV is not computed yet: the prompt's rest, or 1 for a decode
+        (a token sampled in flight, ``num_pending_tokens``, included)."""
+        return len(self.token_ids) + self.num_pending_tokens - self.num_computed_tokens
 
     @property
     def num_output_tokens(self) -> int:

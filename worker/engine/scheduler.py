@@ -27,8 +27,10 @@ tenants (``Request.tenant``; ``worker/engine/fair_share.py``): a waiting request
 tenant runs two fewer than another tenant preempts that tenant's youngest, one per step.
 
 The scheduler owns the block manager: the engine asks it, not the block manager, how
-many requests to admit (``num_admittable``) and whether a decode step may follow one
-still in flight (``can_schedule_next_decode`` / ``schedule_next_decode``).
+many requests to admit (``num_admittable``), whether a decode step may follow one
+still in flight (``can_schedule_next_decode`` / ``schedule_next_decode``), and what any
+step after one in flight carries (``ahead_of``: scheduling on the view of that step
+applied).
 
 The scheduler imports no torch and no redis: tests drive it with hand-made outputs.
 """
@@ -36,7 +38,8 @@ The scheduler imports no torch and no redis: tests drive it with hand-made outpu
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from worker.backends.base import EngineStats
@@ -71,13 +74,19 @@ class ScheduledRequest:
     def samples(self) -> bool:
         """True when this chunk reaches the end of the request's tokens, so the step
         samples its next token (partial prefill chunks do not)."""
-        return self.request.num_computed_tokens + self.num_tokens - self.num_spec_tokens == self.request.num_tokens
+        r = self.request
+        return r.num_computed_tokens + self.num_tokens - self.num_spec_tokens == r.num_tokens + r.num_pending_tokens
 
     def input_token_ids(self) -> list[int]:
         """The step's input tokens of this request: its tokens from
-        ``num_computed_tokens`` on, then its drafts."""
+        ``num_computed_tokens`` on, then its drafts. A token still in flight
+        (``Request.num_pending_tokens``) is a 0 here: the step's launch puts the sampled id
+        in its place on the device (``ModelRunner.launch_step``)."""
         r, start = self.request, self.request.num_computed_tokens
-        ids = r.token_ids[start:start + self.num_tokens - self.num_spec_tokens]
+        n = self.num_tokens - self.num_spec_tokens
+        ids = r.token_ids[start:start + n]
+        if len(ids) < n:
+            ids = ids + [0] * (n - len(ids))
         return ids + r.spec_token_ids[:self.num_spec_tokens] if self.num_spec_tokens else ids
 
 
@@ -181,7 +190,7 @@ class Scheduler:
         waiting = [r for r in self.waiting if priority is None or r.priority <= priority]
         slots = self.max_num_seqs - len(ahead) - len(waiting)
         preemptible = sum(len(r.block_table) for r in self.running if priority is not None and r.priority > priority)
-        reserved = sum(bm.blocks_needed(r, r.num_tokens - r.num_computed_tokens) for r in waiting)
+        reserved = sum(bm.blocks_needed(r, r.num_uncomputed_tokens) for r in waiting)
         return max(0, slots) if bm.num_free_blocks + preemptible > reserved + len(ahead) else 0
 
     # -- one step -----------------------------------------------------------------
@@ -199,7 +208,11 @@ class Scheduler:
             request = self.running[i]
             if request.priority > floor:
                 break  # paused this step: the rest are of lower classes still (class order)
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.num_pending_tokens and (request.num_output_tokens + request.num_pending_tokens
+                                               >= request.sampling.max_tokens):
+                i += 1  # looking ahead: its token in flight is its last (``max_tokens``)
+                continue
+            num_new = min(request.num_uncomputed_tokens, budget)
             # A decode with drafts verifies them in the same step, as far as the budget
             # and the free blocks go: a block stays free for each running request after
             # this one, so drafts never cause a preemption.
@@ -274,7 +287,7 @@ class Scheduler:
                 budget += refund
                 i = self.waiting.index(request)  # a victim of its class went back ahead of it
             bm.allocate_prefix(request, cached)
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget, prefill_budget)
+            num_new = min(request.num_uncomputed_tokens, budget, prefill_budget)
             fits = bm.can_allocate(request, num_new)
             while not fits and (refund := self._preempt_for(request, out)) is not None:
                 budget += refund
@@ -312,7 +325,7 @@ class Scheduler:
         every step admits one, and decodes would stall in every step."""
         if self.running and self.num_paused_steps < MAX_PRIORITY_PAUSES:
             lowest = self.running[-1].priority  # class order: the last is of the lowest class
-            urgent = [r.priority for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+            urgent = [r.priority for r in self.running if r.num_uncomputed_tokens > 1]
             if self.waiting:
                 urgent.append(self.waiting[0].priority)
             if urgent and min(urgent) < lowest:
@@ -331,7 +344,7 @@ class Scheduler:
         sizes chunks for a latency target the same way)."""
         if self.prefill_tokens_per_decode <= 0:
             return self.max_num_batched_tokens
-        num_decodes = sum(r.num_tokens - r.num_computed_tokens == 1 and r.priority <= floor for r in self.running)
+        num_decodes = sum(r.num_uncomputed_tokens == 1 and r.priority <= floor for r in self.running)
         if num_decodes == 0:
             return self.max_num_batched_tokens
         return max(MIN_PREFILL_TOKENS, self.prefill_tokens_per_decode * num_decodes)
@@ -358,8 +371,8 @@ class Scheduler:
         finished: list[Request] = []
         for item, token in zip(out.scheduled, sampled, strict=True):
             request = item.request
-            if request.status.finished:  # aborted, or stopped, while this step was in flight
-                continue
+            if request.status.finished or request.status == RequestStatus.PREEMPTED:
+                continue  # aborted, stopped, or preempted by a look ahead, while this step was in flight
             tokens = [token] if isinstance(token, int) else token
             request.spec_token_ids = []
             first_index = request.num_output_tokens
@@ -406,6 +419,48 @@ class Scheduler:
             num_full = min(r.num_computed_tokens + item.num_tokens, r.num_tokens) // bm.block_size
             if num_full > len(r.block_hashes):
                 bm.block_hash_at(r, num_full - 1)  # hashes every block up to it, each once
+
+    # -- async scheduling: a step behind one still in flight ------------------------
+    @contextmanager
+    def ahead_of(self, inflight: SchedulerOutput) -> Iterator[SchedulerOutput]:
+        """Schedule the step after ``inflight``, a step enqueued on the device whose
+        results are not applied yet, as if they were: while the context is open, each of
+        its requests counts its chunk as computed (``num_computed_tokens``) and, when
+        the chunk samples, one token in flight (``num_pending_tokens``: the next step's
+        input at that position comes from the device). The context yields ``schedule()``
+        made on that view; on exit the view is taken back, and ``update(inflight, ...)``
+        then ``update(next, ...)`` apply both steps in order. Whatever the look ahead
+        allocated, admitted or preempted stays: the step it yields must run (enqueued
+        ahead, or synchronously once ``inflight`` is applied). A request whose token in
+        flight reaches ``max_tokens`` is not scheduled (its slot is taken in the step after:
+        admitting into it was measured slower on the H100, docs/benchmarks.md); one that
+        stops on it (EOS, stop token) computes one token more, which ``update`` drops. A request that the look
+        ahead preempts keeps nothing of ``inflight``: its entry is skipped by ``update``.
+        (vLLM v1's async scheduling advances ``num_computed_tokens`` at schedule time
+        and counts output placeholders the same way.)
+
+        Raises:
+            AssertionError: ``inflight`` verifies drafts (speculative steps are never
+                enqueued ahead).
+        """
+        advanced: list[tuple[ScheduledRequest, int, bool]] = []
+        for item in inflight.scheduled:
+            assert not item.num_spec_tokens, "a speculative step is applied before the next is scheduled"
+            r = item.request
+            if r.status != RequestStatus.RUNNING:  # aborted or finished while in flight
+                continue
+            samples = item.samples
+            r.num_computed_tokens += item.num_tokens
+            r.num_pending_tokens += samples
+            advanced.append((item, r.num_preemptions, samples))
+        try:
+            yield self.schedule()
+        finally:
+            for item, num_preemptions, samples in advanced:
+                r = item.request
+                if r.num_preemptions == num_preemptions:  # else preempted: ``_release`` reset both
+                    r.num_computed_tokens -= item.num_tokens
+                    r.num_pending_tokens -= samples
 
     # -- async scheduling: a decode step behind one still in flight -----------------
     def can_schedule_next_decode(self, out: SchedulerOutput) -> bool:
@@ -540,6 +595,7 @@ class Scheduler:
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.num_cached_tokens = 0
+        request.num_pending_tokens = 0
 
     def _finish(self, request: Request) -> None:
         self.block_manager.free(request)
