@@ -11,6 +11,10 @@ trace), every second of wall time falls in one of:
   the next hand-over);
 - ``before_first`` / ``after_last``: no step yet, or none any more, in the window.
 
+Beside them: quantiles of the engine thread's time per step (``step_ms``) and of the time
+from one step's end to the next one's (``end_to_end_ms``, what a stream's inter-token
+latency is made of), and the busy fraction and outputs per step in ten slices.
+
     python -m bench.step_trace logs/steps-c1000.jsonl --result product.json --concurrency 1000
 """
 
@@ -47,6 +51,14 @@ def breakdown(steps: list[dict[str, float]], start_s: float, end_s: float, num_b
     out["after_last"] = end_s - inside[-1]["back"]
     out["ms_per_step"] = out["in_step"] * 1000 / len(inside)
     out["gap_ms_per_step"] = sum(gaps) * 1000 / max(len(gaps), 1)
+    # What a stream's inter-token latency is made of: the time from one step's end to
+    # the next one's, as quantiles (ms), and the engine thread's time per step.
+    ends_ms = [(b["done"] - a["done"]) * 1000 for a, b in itertools.pairwise(inside)]
+    for name, values in (("step_ms", [(s["done"] - s["ran"]) * 1000 for s in inside]), ("end_to_end_ms", ends_ms)):
+        if values:
+            ordered = sorted(values)
+            out[name] = {q: round(ordered[min(len(ordered) - 1, int(f * len(ordered)))], 1)
+                         for q, f in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("max", 1.0))}
     width = wall_s / num_buckets
     busy = [0.0] * num_buckets
     for s in inside:  # a step's time goes to the slices it overlaps

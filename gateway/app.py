@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 import secrets
@@ -54,6 +53,7 @@ from gateway.tokenize import TokenizerWorker
 from gateway.tokenizer_routes import DetokenizeRequest, TokenizeRequest, handle_detokenize, handle_tokenize
 from shared import tokenizer_loader
 from shared.fair_queue import FairQueue
+from shared.gc_heap import freeze_startup_heap
 from shared.keys import Keys
 from shared.model_source import ModelSource, max_model_len, served_model_name
 from shared.settings import BatchSettings, GatewaySettings, ModelSettings, RedisSettings
@@ -220,19 +220,6 @@ def model_card(state: GatewayState) -> dict[str, object]:
     """The served model as an OpenAI model object (``GET /v1/models``, ``/v1/models/{id}``)."""
     return {"id": state.served_model_name, "object": "model", "created": state.created_unix_s,
             "owned_by": "inferq", "root": state.source_name, "parent": None, "max_model_len": state.max_model_len}
-
-
-def freeze_startup_heap() -> None:
-    """Move every object alive now into the collector's permanent generation (``gc.freeze``).
-
-    The gateway's startup heap (torch and transformers modules, the tokenizer: ~370,000
-    objects) lives until exit, but each full collection walks all of it: 0.1-0.5 s per
-    pass on a 2-core CPU, triggered again and again by the objects that requests keep alive
-    for a few seconds. Frozen, a full pass walks only what serving allocated. vLLM's API
-    server does the same after its startup; docs/operations.md, "Gateway CPU per token".
-    """
-    gc.collect()
-    gc.freeze()
 
 
 def run(gateway: GatewaySettings, redis: RedisSettings, model: ModelSettings, source: ModelSource,

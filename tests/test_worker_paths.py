@@ -380,3 +380,26 @@ async def test_held_back_outputs_of_a_replaced_attempt_are_not_sent_as_the_new_o
 async def _true(value: bool) -> bool:
     """``value``, as the awaitable predicate ``wait_until`` takes."""
     return value
+
+
+async def test_the_worker_freezes_its_startup_heap_before_it_serves(redis_server, smollm_source, monkeypatch) -> None:
+    """``serve_worker`` moves the startup heap (the backend, its model, the imported modules)
+    out of the collector's reach before the worker loop runs (``shared/gc_heap.py``)."""
+    import gc
+
+    from shared.settings import RedisSettings, WorkerSettings
+    from worker import main as worker_main
+
+    frozen_at_run: list[int] = []
+
+    async def record(self: Worker) -> None:
+        frozen_at_run.append(gc.get_freeze_count())
+
+    monkeypatch.setattr(Worker, "run", record)
+    gc.unfreeze()
+    try:
+        await worker_main.serve_worker(WorkerSettings(backend="sim"), RedisSettings(redis_url=redis_server.url),
+                                       ModelSettings(), EngineSettings())
+    finally:
+        gc.unfreeze()  # this test process's heap goes back to the collector
+    assert frozen_at_run and frozen_at_run[0] > 1000  # the imported modules at least

@@ -9,6 +9,7 @@ import signal
 
 import redis.asyncio as aioredis
 
+from shared.gc_heap import freeze_startup_heap
 from shared.keys import Keys
 from shared.model_source import resolve_model, served_model_name
 from shared.settings import EngineSettings, ModelSettings, RedisSettings, WorkerSettings
@@ -64,6 +65,7 @@ async def serve_worker(worker: WorkerSettings, redis_settings: RedisSettings, mo
         metrics_server = start_metrics_server(worker.metrics_port, service)
     log.info("worker %s serving %r from stream %s (backend %s)", service.worker_id, service.model,
              service.stream, backend.name)
+    freeze_startup_heap()  # the engine and its graphs live until exit: no full collection walks them
     try:
         await service.run()
     finally:
