@@ -375,9 +375,7 @@ class LLMEngine:
         self.arrivals.step_ended(stopped=False)
         # The decode chain below follows a decode step only (``launch_step`` enqueues others),
         # through the decode graphs (not on CPU, where tests look ahead eagerly).
-        if not (self.runner.can_launch_decode(len(out.scheduled))
-                and all(item.num_tokens == 1 and item.samples for item in out.scheduled)
-                and self.scheduler.can_schedule_next_decode(out)):
+        if not (self.runner.takes_decode_graphs(out.scheduled) and self.scheduler.can_schedule_next_decode(out)):
             return self._look_ahead(out, launch)  # type: ignore[arg-type]
         nxt = self.scheduler.schedule_next_decode(out)
         requests = [item.request for item in nxt.scheduled]

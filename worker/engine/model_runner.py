@@ -372,6 +372,11 @@ class ModelRunner:
         assert raw is None, "requests with logprobs take the synchronous path (LLMEngine._async_decode_ok)"
         return StepLaunch(ids)
 
+    def takes_decode_graphs(self, batch: Sequence[ScheduledRequest]) -> bool:
+        """Whether a step of ``batch`` replays the decode graphs: every item decodes one
+        token (and samples it), and the graphs hold that many sequences."""
+        return self.can_launch_decode(len(batch)) and all(item.num_tokens == 1 and item.samples for item in batch)
+
     def can_launch_step(self, batch: Sequence[ScheduledRequest]) -> bool:
         """True when ``launch_step`` can enqueue ``batch`` without waiting: a decode step
         the decode graphs hold, or a step the mixed-step graphs hold; no item verifies
@@ -379,9 +384,7 @@ class ModelRunner:
         eagerly there (``launch_step``)."""
         if any(item.num_spec_tokens for item in batch) or prompt_spans(batch):
             return False
-        if self.device.type != "cuda":
-            return True
-        if self.can_launch_decode(len(batch)) and all(item.num_tokens == 1 and item.samples for item in batch):
+        if self.device.type != "cuda" or self.takes_decode_graphs(batch):
             return True
         return self.mixed is not None and self.mixed.fits(sum(item.num_tokens for item in batch), len(batch))
 
@@ -416,8 +419,7 @@ class ModelRunner:
             index = host_list_to_device([i for i, _ in from_device] + [row for _, row in from_device],
                                         torch.int64, self.device)
             ids_index, ids = index[:len(from_device)], sampled.index_select(0, index[len(from_device):])
-        if self.device.type == "cuda" and self.can_launch_decode(len(batch)) and all(
-                item.num_tokens == 1 and item.samples for item in batch):
+        if self.device.type == "cuda" and self.takes_decode_graphs(batch):
             requests = [item.request for item in batch]
             max_seq_len = self._prepare_decode(requests, [item.request.num_computed_tokens for item in batch],
                                                [item.input_token_ids()[0] for item in batch])
@@ -459,8 +461,7 @@ class ModelRunner:
         prompt: list[list[TokenLogprobs] | None] = [None] * len(batch)
         logits: torch.Tensor | None = None
         speculative = any(item.num_spec_tokens for item in batch)
-        if not spans and not speculative and self.can_launch_decode(len(batch)) and all(
-                item.num_tokens == 1 and item.samples for item in batch):
+        if not spans and not speculative and self.takes_decode_graphs(batch):
             requests = [item.request for item in batch]
             logits = self._decode_logits(requests, *decode_inputs(requests))
         elif not spans and not speculative and self.mixed is not None and self.mixed.fits(sum(item.num_tokens for item in batch),
