@@ -432,10 +432,11 @@ class Scheduler:
         then ``update(next, ...)`` apply both steps in order. Whatever the look ahead
         allocated, admitted or preempted stays: the step it yields must run (enqueued
         ahead, or synchronously once ``inflight`` is applied). A request whose token in
-        flight reaches ``max_tokens`` is not scheduled (its slot is taken in the step after:
-        admitting into it was measured slower on the H100, docs/benchmarks.md); one that
-        stops on it (EOS, stop token) computes one token more, which ``update`` drops. A request that the look
-        ahead preempts keeps nothing of ``inflight``: its entry is skipped by ``update``.
+        flight reaches ``max_tokens`` is not scheduled (its slot is taken in the step
+        after: admitting into it at once was measured slower on the H100,
+        docs/benchmarks.md); one that stops on it (EOS, stop token) computes one token
+        more, which ``update`` drops. A request that the look ahead preempts keeps
+        nothing of ``inflight``: its entry is skipped by ``update``.
         (vLLM v1's async scheduling advances ``num_computed_tokens`` at schedule time
         and counts output placeholders the same way.)
 
