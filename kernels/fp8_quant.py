@@ -85,6 +85,28 @@ def quantize_groups_ref(x: torch.Tensor, group: int = FP8_BLOCK, pad_rows_to: in
             scale.t().contiguous().t() if scales_column_major else scale)
 
 
+def group_outputs(rows: int, cols: int, group: int, pad_rows_to: int, scales_column_major: bool,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The empty outputs of a group kernel (``quantize_groups``,
+    ``silu_and_mul.silu_and_mul_fp8``) over ``rows`` rows of ``cols`` columns, a multiple of
+    ``group``: ``(q [R', cols] float8_e4m3fn, scale [R', cols / group] float32)``, ``R'``
+    being ``rows`` padded up to a multiple of ``pad_rows_to``, the scales a column-major
+    view (strides ``(1, R')``) when ``scales_column_major``."""
+    out_rows, num_groups = rows + -rows % pad_rows_to, cols // group
+    q = torch.empty(out_rows, cols, dtype=FP8_DTYPE, device=device)
+    if scales_column_major:
+        return q, torch.empty(num_groups, out_rows, dtype=torch.float32, device=device).t()
+    return q, torch.empty(out_rows, num_groups, dtype=torch.float32, device=device)
+
+
+def group_grid(out_rows: int, num_groups: int) -> tuple[tuple[int, int], int]:
+    """``(grid, GROUPS)`` of a group kernel writing ``out_rows`` rows of ``num_groups``
+    groups (both > 0; Triton only): one program per row and ``GROUPS`` groups
+    (``group_tile``), at most ``GROUPS_PER_PROGRAM``."""
+    groups = min(GROUPS_PER_PROGRAM, triton.next_power_of_2(num_groups))
+    return (out_rows, triton.cdiv(num_groups, groups)), groups
+
+
 def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
     """``x`` with zero rows appended up to a multiple of ``multiple`` rows."""
     pad = -x.shape[0] % multiple
@@ -191,17 +213,12 @@ def quantize_groups(x: torch.Tensor, group: int = FP8_BLOCK, pad_rows_to: int = 
     if (triton is None or not x.is_cuda or cols % group or group & (group - 1) or x.stride(1) != 1
             or (rows and x.stride(0) < cols)):
         return quantize_groups_ref(x, group, pad_rows_to, scales_column_major)
-    out_rows = rows + -rows % pad_rows_to
-    num_groups = cols // group
-    q = torch.empty(out_rows, cols, dtype=FP8_DTYPE, device=x.device)
-    if scales_column_major:
-        scale = torch.empty(num_groups, out_rows, dtype=torch.float32, device=x.device).t()
-    else:
-        scale = torch.empty(out_rows, num_groups, dtype=torch.float32, device=x.device)
-    if out_rows == 0 or num_groups == 0:
+    q, scale = group_outputs(rows, cols, group, pad_rows_to, scales_column_major, x.device)
+    num_groups = scale.shape[1]
+    if q.shape[0] == 0 or num_groups == 0:
         return q, scale
-    groups = min(GROUPS_PER_PROGRAM, triton.next_power_of_2(num_groups))
-    _quantize_groups_kernel[(out_rows, triton.cdiv(num_groups, groups))](
+    grid, groups = group_grid(q.shape[0], num_groups)
+    _quantize_groups_kernel[grid](
         x, q, scale, rows, num_groups, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1), GROUP=group,
         GROUPS=groups, QMAX=FP8_MAX, AMIN=MIN_AMAX, num_warps=4)
     return q, scale

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_extension
-from kernels.fp8_quant import FP8_BLOCK, FP8_DTYPE, FP8_MAX, GROUPS_PER_PROGRAM, MIN_AMAX, quantize_groups_ref
+from kernels.fp8_quant import FP8_BLOCK, FP8_MAX, MIN_AMAX, group_grid, group_outputs, quantize_groups_ref
 
 
 def check_silu_and_mul_args(x: torch.Tensor) -> None:
@@ -108,14 +108,12 @@ def silu_and_mul_fp8(x: torch.Tensor, pad_rows_to: int = 1) -> tuple[torch.Tenso
     rows, inter = x.shape[0], x.shape[1] // 2
     if triton is None or not x.is_cuda or inter % FP8_BLOCK or x.stride(1) != 1:
         return quantize_groups_ref(silu_and_mul_ref(x), FP8_BLOCK, pad_rows_to, scales_column_major=True)
-    out_rows = rows + -rows % pad_rows_to
-    num_groups = inter // FP8_BLOCK
-    q = torch.empty(out_rows, inter, dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty(num_groups, out_rows, dtype=torch.float32, device=x.device).t()
-    if out_rows == 0:
+    q, scale = group_outputs(rows, inter, FP8_BLOCK, pad_rows_to, True, x.device)
+    num_groups = scale.shape[1]
+    if q.shape[0] == 0 or num_groups == 0:
         return q, scale
-    groups = min(GROUPS_PER_PROGRAM, triton.next_power_of_2(num_groups))
-    _silu_and_mul_fp8_kernel[(out_rows, triton.cdiv(num_groups, groups))](
+    grid, groups = group_grid(q.shape[0], num_groups)
+    _silu_and_mul_fp8_kernel[grid](
         x, q, scale, rows, inter, num_groups, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
         GROUP=FP8_BLOCK, GROUPS=groups, QMAX=FP8_MAX, AMIN=MIN_AMAX, num_warps=4)
     return q, scale
