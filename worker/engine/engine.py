@@ -87,6 +87,15 @@ def cpu_threads(settings: EngineSettings, environ: Mapping[str, str] | None = No
     return os.cpu_count() or 1
 
 
+def _needs_no_host(request: Request) -> bool:
+    """Whether a step may carry ``request`` before the previous step's tokens reach the
+    host (async scheduling): it reads no token history there (penalties), and fetches no
+    logprobs or prompt logprobs with the ids (``RawLogprobs`` is fetched with them, which
+    an enqueued step does not wait for)."""
+    sampling = request.sampling
+    return not sampling.needs_penalties and sampling.logprobs is None and request.prompt_logprobs is None
+
+
 class LLMEngine:
     """Continuous-batching engine over one model on one device. Not thread-safe: call
     ``add_request``/``abort``/``step`` from one thread at a time."""
@@ -326,11 +335,8 @@ class LLMEngine:
         samples their step after the previous tokens reach them. Not with speculative
         decoding on: the proposer reads each step's tokens on the host before the next."""
         return (self.engine_settings.async_scheduling and self.proposer is None
-                and self.runner.can_launch_decode(len(out.scheduled))
-                and not out.preempted
-                and all(item.num_tokens == 1 and item.samples and not item.request.sampling.needs_penalties
-                        and item.request.sampling.logprobs is None
-                        and item.request.prompt_logprobs is None for item in out.scheduled))
+                and self.runner.takes_decode_graphs(out.scheduled) and not out.preempted
+                and all(_needs_no_host(item.request) for item in out.scheduled))
 
     def _in_pieces(self, requests: Sequence[Request]) -> bool:
         """Whether a decode step of ``requests`` is enqueued piece by piece, to be looked
@@ -431,9 +437,7 @@ class LLMEngine:
             if self.step_stop.armed:
                 return False
         return self.runner.can_launch_step(out.scheduled) and all(
-            item.request.grammar is None and not item.request.sampling.needs_penalties
-            and item.request.sampling.logprobs is None and item.request.prompt_logprobs is None
-            for item in out.scheduled)
+            item.request.grammar is None and _needs_no_host(item.request) for item in out.scheduled)
 
     def _take_next(self) -> SchedulerOutput | None:
         """The step that ``_look_ahead`` scheduled and left to run now, without the items
