@@ -98,6 +98,10 @@ def decode_step_ms(engine: LLMEngine, batch: int, steps: int, rng: random.Random
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
+    # With async scheduling each call returns with the next step in flight, and the first
+    # call found its step already done (the synchronize above): wait for the last one, so
+    # ``steps`` steps of GPU time are in the span.
+    torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / steps
     for rid in ids:
         engine.abort(rid)

@@ -11,6 +11,8 @@ weights (more than the L2 cache), each timing a replayed CUDA graph of the 16 pr
   mm_channel       per-token activation quantization + ``torch._scaled_mm`` row-wise
   fp8_linear       ``worker.models.fp8.fp8_linear`` as served (block layout): the GEMV
                    up to ``GEMV_MAX_ROWS`` rows, ``mm_block`` above
+  fp8_linear_two_launch_split_k   the same with every plan's split-K summed by a second
+                   launch instead of in the kernel (``LaunchConfig.serial_split_k``)
 Reports ms per layer, the weight bytes read per second and that rate as a fraction of
 the measured copy bandwidth (``bench.engine_bench.copy_bandwidth_bps``, read + write),
 and, for the GEMV, the same per projection. ``--sweep`` also times the GEMV's launch
@@ -18,7 +20,8 @@ configurations (``kernels.fp8_gemv.LaunchConfig``: ``SWEEP``) per projection and
 (rows <= 64 of ``--rows``), best first, each with ``vs_mm`` (the faster ``_scaled_mm``
 layout's time over the plan's: above 1 the plan wins), and per row count the best single
 configuration over the four projections (``best_config``): what ``kernels.fp8_gemv.PLANS``
-holds for that row bucket.
+holds for that row bucket. ``--grid`` overrides ``SWEEP``'s fields (JSON), e.g.
+``{"tma": [false, true]}``; from ``W8A8_MIN_ROWS`` rows the sweep times the W8A8 kernel.
 
 Run: python bench/fp8_gemm_bench.py --out bench/results/fp8_gemm_h100.json [--sweep]
 The decode step: python bench/engine_bench.py --sections decode,prefill --quantization fp8
@@ -28,11 +31,13 @@ The decode step: python bench/engine_bench.py --sections decode,prefill --quanti
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import itertools
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import date
 from typing import Any
 
@@ -40,17 +45,18 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import kernels.fp8_gemv as fp8_gemv_module
 from bench.engine_bench import copy_bandwidth_bps
 from kernels.fp8_gemv import MAX_ROWS, PLANS, LaunchConfig, block_rows, fp8_gemv, plan
 from kernels.fp8_quant import quantize_groups, quantize_rows
-from worker.models.fp8 import fp8_linear, quantize_weight
+from worker.models.fp8 import W8A8_MIN_ROWS, fp8_linear, quantize_weight
 
 SHAPES = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
 NUM_LAYERS = 4
 #: ``LaunchConfig`` fields ``--sweep`` tries (every combination but 8 warps on 64 channels;
 #: ``programs_per_sm`` only changes the split, so it costs no compile).
 SWEEP = {"block_n": (64, 128, 256), "num_warps": (4, 8), "num_stages": (3, 4), "programs_per_sm": (1, 2, 4),
-         "swap_ab": (False, True)}
+         "swap_ab": (False, True), "tma": (False,)}
 
 
 def graph_ms(fn: Callable[[], Any], replays: int = 20) -> float:
@@ -81,9 +87,25 @@ def timed(fn: Callable[[], Any], weight_bytes: int, copy_bps: float, calls: int 
     return {"ms": round(ms, 4), "weight_tb_s": round(bps / 1e12, 3), "of_copy": round(bps / copy_bps, 3)}
 
 
-def sweep_configs() -> list[LaunchConfig]:
-    """The ``LaunchConfig``s of ``SWEEP``."""
-    configs = [LaunchConfig(**dict(zip(SWEEP, values, strict=True))) for values in itertools.product(*SWEEP.values())]
+@contextlib.contextmanager
+def two_launch_split_k() -> Iterator[None]:
+    """Within the block, every plan of ``PLANS`` and ``W8A8_PLANS`` sums split-K by a
+    second launch instead of the tile counters."""
+    saved = {name: dict(getattr(fp8_gemv_module, name)) for name in ("PLANS", "W8A8_PLANS")}
+    try:
+        for name, table in saved.items():
+            getattr(fp8_gemv_module, name).update(
+                {rows: dataclasses.replace(c, serial_split_k=False) for rows, c in table.items()})
+        yield
+    finally:
+        for name, table in saved.items():
+            getattr(fp8_gemv_module, name).update(table)
+
+
+def sweep_configs(grid: dict[str, tuple[Any, ...]] | None = None) -> list[LaunchConfig]:
+    """The ``LaunchConfig``s of ``SWEEP``, its fields overridden by ``grid``."""
+    grid = SWEEP | (grid or {})
+    configs = [LaunchConfig(**dict(zip(grid, values, strict=True))) for values in itertools.product(*grid.values())]
     return [c for c in configs if not (c.num_warps == 8 and c.block_n < 128)]
 
 
@@ -105,20 +127,21 @@ def mm_ms(layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]],
 
 
 def w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, gemv_plan: Any = None) -> torch.Tensor:
-    """The kernel on E4M3 input: ``x`` quantized per 1x128 group first (one more launch)."""
-    q, s = quantize_groups(x)
+    """The kernel on E4M3 input: ``x`` quantized per 1x128 group first (one more launch),
+    its scales column-major as ``fp8_linear`` writes them."""
+    q, s = quantize_groups(x, scales_column_major=True)
     return fp8_gemv(q, weight, weight_scale, gemv_plan=gemv_plan, x_scale=s)
 
 
 def sweep(layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]],
           channels: list[dict[str, tuple[torch.Tensor, torch.Tensor]]], rows: list[int],
-          copy_bps: float, a8: bool = False) -> dict[str, Any]:
+          copy_bps: float, a8: bool = False, grid: dict[str, tuple[Any, ...]] | None = None) -> dict[str, Any]:
     """Per projection and row count, the GEMV's time under each ``SWEEP`` configuration,
     best first; per row count the best single configuration over the four projections.
     ``a8``: the W8A8 kernel on group-quantized input (``w8a8``), its quantization timed."""
     gemv = w8a8 if a8 else fp8_gemv
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    configs = sweep_configs()
+    configs = sweep_configs(grid)
     out: dict[str, Any] = {}
     for m in rows:
         totals = dict.fromkeys(configs, 0.0)
@@ -152,9 +175,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,16,32,64,2048")
     ap.add_argument("--sweep", action="store_true", help="also time GEMV launch configurations (a few minutes on an H100)")
-    ap.add_argument("--w8a8", action="store_true", help="sweep the kernel on E4M3 input (W8A8) instead")
+    ap.add_argument("--w8a8", action="store_true", help="sweep W8A8 below W8A8_MIN_ROWS rows too (from there it always does)")
+    ap.add_argument("--grid", default="", help='JSON overriding SWEEP\'s fields, e.g. {"tma": [false, true]}')
     ap.add_argument("--out", default="bench/results/fp8_gemm_h100.json")
     args = ap.parse_args()
+    grid = {k: tuple(v) for k, v in json.loads(args.grid).items()} if args.grid else None
     torch.manual_seed(0)
     copy_bps = copy_bandwidth_bps()
     res: dict[str, Any] = {"date": date.today().isoformat(), "device": torch.cuda.get_device_name(),
@@ -188,6 +213,9 @@ def main() -> None:
         row: dict[str, Any] = {}
         for name, fn in variants.items():
             row[name] = timed(fn, 2 * fp8_bytes if name == "bf16" else fp8_bytes, copy_bps)
+        if m <= MAX_ROWS:  # split-K summed by a second launch, as before the tile counters
+            with two_launch_split_k():
+                row["fp8_linear_two_launch_split_k"] = timed(variants["fp8_linear"], fp8_bytes, copy_bps)
         if m <= MAX_ROWS:
             row["gemv_block_per_projection"] = {
                 n: timed(lambda n=n, x=xs[n]: [fp8_gemv(x, *layer[n]) for layer in blocks], k * nn, copy_bps)
@@ -198,7 +226,7 @@ def main() -> None:
     if args.sweep:  # saved after each row count: a run cut short keeps what it timed
         res["sweep"] = {}
         for m in (m for m in rows if m <= MAX_ROWS):
-            res["sweep"] |= sweep(blocks, channels, [m], copy_bps, a8=args.w8a8)
+            res["sweep"] |= sweep(blocks, channels, [m], copy_bps, a8=args.w8a8 or m >= W8A8_MIN_ROWS, grid=grid)
             save(res, args.out)
 
 

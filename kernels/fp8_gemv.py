@@ -24,8 +24,14 @@ the weight:
   the converted weight to wgmma from registers;
 - split-K: where ``N / BLOCK_N`` programs would leave SMs idle (o_proj and down_proj of a
   7B model have only 28-56 tiles for 132 SMs), K is cut so that about ``programs_per_sm``
-  programs run per SM; the float32 partial sums go to a workspace ``[split, M, N]`` and a
-  second small kernel adds them, the bias, and casts;
+  programs run per SM; the float32 partial sums go to a workspace ``[split, M, N]``.
+  Serially (``serial_split_k``, CUTLASS's "serial split-K" and stream-K fix-up): each
+  slice then adds one to its tile's arrival counter (int32, ``_tile_counters``), and the
+  last to arrive adds the partials and the bias, casts, writes the output and zeroes the
+  counter; otherwise a second small kernel does that sum;
+- the weight tile is read by masked loads or, with ``tma``, by the Tensor Memory
+  Accelerator from a host tensor descriptor (Hopper; out-of-range rows and columns read as
+  zeros);
 - scales: per output channel (``scale [N]``, applied once at the end) or per
   ``FP8_BLOCK x FP8_BLOCK`` block (``scale [ceil(N / 128), ceil(K / 128)]``; ``BLOCK_K``
   divides 128 and ``k_per_split`` is a multiple of 128, so each step's partial product
@@ -58,13 +64,16 @@ MAX_ROWS = 64
 @dataclass(frozen=True)
 class LaunchConfig:
     """The tunable launch parameters of one row bucket (``PLANS``): output channels per
-    program, warps, pipeline depth, split-K target (programs per SM) and orientation."""
+    program, warps, pipeline depth, split-K target (programs per SM), orientation, how
+    the weight tile is read (TMA or loads) and how split-K partials are summed."""
 
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
     programs_per_sm: int = 4
     swap_ab: bool = False
+    tma: bool = False
+    serial_split_k: bool = True
 
 
 #: The launch configuration per row bucket (``BLOCK_M``: rows padded to 16, 32 or 64), the
@@ -73,21 +82,27 @@ class LaunchConfig:
 #: bench/results/fp8_gemm_sweep_h100.json, then fp8_gemm_sweep_s7_h100.json for 32 and 64
 #: rows). Per layer: 0.115 ms at 1 and 16 rows (cuBLASLt 0.133), 0.138 ms at 32 (0.140),
 #: 0.186 ms at 64 rows, where cuBLASLt's 0.159 ms wins (``fp8.GEMV_MAX_ROWS`` is 32). The
-#: swapped operands (the weight as the wgmma register operand) were never better.
+#: swapped operands (the weight as the wgmma register operand) were never better. Split-K
+#: summed in the kernel (``serial_split_k``): 0.110 ms at 1 row and 0.113 at 16, against
+#: 0.1135 and 0.115 with a second launch (bench/results/fp8_gemm_tma_h100.json).
 PLANS: dict[int, LaunchConfig] = {
     16: LaunchConfig(block_n=64, num_warps=4, num_stages=3, programs_per_sm=4, swap_ab=False),
     32: LaunchConfig(block_n=64, num_warps=4, num_stages=3, programs_per_sm=4, swap_ab=False),
     64: LaunchConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=4, swap_ab=False),
 }
 #: The launch configuration of the W8A8 kernel (E4M3 input with ``x_scale``) per row
-#: bucket, where it differs from ``PLANS``: the best single plan of the H100 sweep at 64
-#: rows (``bench/fp8_gemm_bench.py --rows 64 --sweep --w8a8``,
-#: bench/results/fp8_gemm_w8a8_sweep_h100.json): 0.139 ms a layer of Qwen2.5-7B's four
-#: projections, against 0.157 for cuBLASLt's block ``_scaled_mm`` and 0.162 under ``PLANS[64]``.
+#: bucket, where it differs from ``PLANS``. 17-32 rows: the best single plan of
+#: bench/results/fp8_gemm_w8a8_sweep32_h100.json, its split-K summed by a second launch
+#: (``fp8_linear`` at 32 rows: 0.125 ms a layer of Qwen2.5-7B's four projections, 0.130
+#: with the tile counters; bench/results/fp8_gemm_tma_h100.json). 33-64 rows: the best
+#: single plan with the weight tile fetched by TMA (``bench/fp8_gemm_bench.py --rows
+#: 1,16,32,64 --sweep --grid ...``, bench/results/fp8_gemm_tma_sweep_h100.json):
+#: ``fp8_linear`` at 64 rows 0.138 ms a layer, against 0.148 under the plan before and
+#: 0.156 for cuBLASLt's block ``_scaled_mm``. One program per SM (a short split) and a
+#: deeper pipeline suit TMA.
 W8A8_PLANS: dict[int, LaunchConfig] = {
-    # 17-32 rows: 0.123 ms at 32 rows, 0.121 at 24 (bench/results/fp8_gemm_w8a8_sweep32_h100.json)
-    32: LaunchConfig(block_n=64, num_warps=4, num_stages=3, programs_per_sm=4, swap_ab=True),
-    64: LaunchConfig(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2, swap_ab=True),
+    32: LaunchConfig(block_n=64, num_warps=4, num_stages=3, programs_per_sm=4, swap_ab=True, serial_split_k=False),
+    64: LaunchConfig(block_n=64, num_warps=4, num_stages=4, programs_per_sm=1, swap_ab=False, tma=True),
 }
 
 
@@ -103,6 +118,8 @@ class GemvPlan:
     num_warps: int = 4
     num_stages: int = 3
     swap_ab: bool = False
+    tma: bool = False
+    serial_split_k: bool = True
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -135,7 +152,8 @@ def plan(m: int, n: int, k: int, num_sms: int, config: LaunchConfig | None = Non
     split = 1 if tiles_n >= target else max(1, min(_cdiv(target, tiles_n), k // MIN_K_PER_SPLIT))
     k_per_split = _cdiv(_cdiv(k, split), FP8_BLOCK) * FP8_BLOCK
     split = _cdiv(k, k_per_split)
-    return GemvPlan(block_m, c.block_n, block_k, split, k_per_split, c.num_warps, c.num_stages, c.swap_ab)
+    return GemvPlan(block_m, c.block_n, block_k, split, k_per_split, c.num_warps, c.num_stages, c.swap_ab, c.tma,
+                    c.serial_split_k)
 
 
 def fp8_gemv_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -185,6 +203,7 @@ def check_gemv_args(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
 try:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:
     triton = None
 
@@ -193,11 +212,12 @@ if triton is not None:
     FP8_GROUP = tl.constexpr(FP8_BLOCK)
 
     @triton.jit
-    def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn,
-                         stride_om, stride_sn, stride_xsm, stride_xsk, k_per_split, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-                         SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         X_SCALED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    def _fp8_gemv_kernel(x_ptr, w_ptr, w_desc, s_ptr, xs_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
+                         stride_xm, stride_wn, stride_om, stride_sn, stride_xsm, stride_xsk, k_per_split, split,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         SCALE_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, X_SCALED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                         USE_TMA: tl.constexpr, SERIAL: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
@@ -216,7 +236,10 @@ if triton is not None:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < k_end
             x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+            if USE_TMA:  # the copy engine fetches the tile; K's tail and N's edge read as zeros
+                w = w_desc.load([pid_n * BLOCK_N, k0])
+            else:
+                w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
             if SWAP_AB:
                 part = tl.dot(w.to(x.dtype), tl.trans(x), input_precision=DOT_PRECISION)
             else:
@@ -240,8 +263,25 @@ if triton is not None:
         if SCALE_BLOCK == 0:
             acc = acc * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
         mask = mask_m[:, None] & mask_n[None, :]
-        if SPLIT_K:
+        if SPLIT_K and not SERIAL:
             tl.store(part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
+        elif SPLIT_K:
+            # Serial split-K: each slice stores its partial sums; the last of a tile's
+            # slices to arrive (a counter per tile) adds them all and writes the output,
+            # then zeroes the counter for the next launch. No second launch.
+            tl.store(part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if arrived == split - 1:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s_k in range(split):
+                    acc += tl.load(part_ptr + (s_k * M + offs_m[:, None]) * N + offs_n[None, :], mask=mask,
+                                   other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+                tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                         mask=mask)
+                tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")
         else:
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -265,6 +305,18 @@ if triton is not None:
 @functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+#: Tiles (``ceil(N / block_n)``) the per-device split-K counters cover.
+MAX_TILES = 1 << 16
+
+
+@functools.cache
+def _tile_counters(device: torch.device) -> torch.Tensor:
+    """int32 ``[MAX_TILES]`` zeros on ``device``: the serial split-K's arrival counter per
+    output tile, back at zero after every launch (the last slice of a tile resets it).
+    Launches on one stream run one after another, so they can share it."""
+    return torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -307,15 +359,19 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     has_bias = bias is not None
     bias_arg = bias if has_bias else out
     xs = x_scale if w8a8 else scale
-    _fp8_gemv_kernel[(triton.cdiv(n, p.block_n), p.split)](
-        x, weight, scale, xs, bias_arg, out, part, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        scale.stride(0) if block_scales else 0, xs.stride(0) if w8a8 else 0, xs.stride(1) if w8a8 else 0,
-        p.k_per_split, BLOCK_M=p.block_m, BLOCK_N=p.block_n,
+    tiles_n = triton.cdiv(n, p.block_n)
+    serial = p.serial_split_k and p.split > 1 and tiles_n <= MAX_TILES
+    counts = _tile_counters(x.device) if serial else out
+    w_desc = TensorDescriptor.from_tensor(weight, [p.block_n, p.block_k]) if p.tma else None
+    _fp8_gemv_kernel[(tiles_n, p.split)](
+        x, weight, w_desc, scale, xs, bias_arg, out, part, counts, m, n, k, x.stride(0), weight.stride(0),
+        out.stride(0), scale.stride(0) if block_scales else 0, xs.stride(0) if w8a8 else 0,
+        xs.stride(1) if w8a8 else 0, p.k_per_split, p.split, BLOCK_M=p.block_m, BLOCK_N=p.block_n,
         BLOCK_K=p.block_k, SCALE_BLOCK=FP8_BLOCK if block_scales else 0, SPLIT_K=p.split > 1, SWAP_AB=p.swap_ab,
         HAS_BIAS=has_bias, X_SCALED=w8a8,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=p.num_warps,
-        num_stages=p.num_stages)
-    if p.split > 1:
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_TMA=p.tma, SERIAL=serial,
+        num_warps=p.num_warps, num_stages=p.num_stages)
+    if p.split > 1 and not serial:
         block = 1024
         _splitk_sum_kernel[(triton.cdiv(m * n, block),)](part, bias_arg, out, m, n, out.stride(0), p.split,
                                                          BLOCK=block, HAS_BIAS=has_bias)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import json
 
 import pytest
 import torch
 
+import kernels.fp8_gemv as fp8_gemv_module
 from kernels.fp8_gemv import PLANS, LaunchConfig, block_rows, fp8_gemv, fp8_gemv_ref, plan
 from kernels.fp8_quant import quantize_groups, quantize_groups_ref, quantize_rows, quantize_rows_ref
 from kernels.silu_and_mul import silu_and_mul, silu_and_mul_fp8
@@ -166,9 +168,10 @@ def test_fp8_gemv_orientations_and_tiles(rows: int, scheme: str, swap_ab: bool) 
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     ref = fp8_gemv_ref(x, w, w_scale, bias)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for block_n, num_warps, num_stages in ((64, 4, 3), (128, 8, 4), (256, 8, 3)):
-        p = plan(rows, n, k, sms, LaunchConfig(block_n, num_warps, num_stages, 2, swap_ab))
-        assert p.split > 1 and p.swap_ab == swap_ab
+    for (block_n, num_warps, num_stages), tma in itertools.product(((64, 4, 3), (128, 8, 4), (256, 8, 3)),
+                                                                   (False, True)):
+        p = plan(rows, n, k, sms, LaunchConfig(block_n, num_warps, num_stages, 2, swap_ab, tma))
+        assert p.split > 1 and p.swap_ab == swap_ab and p.tma == tma
         torch.testing.assert_close(fp8_gemv(x, w, w_scale, bias, gemv_plan=p), ref, rtol=1e-2,
                                    atol=2e-3 * float(ref.abs().max()), msg=lambda m, p=p: f"{p}: {m}")
 
@@ -183,15 +186,17 @@ def test_unaligned_block_layer_above_gemv_rows() -> None:
     torch.testing.assert_close(fp8_linear(x, w, w_scale), ref, rtol=2e-2, atol=1e-2 * float(ref.abs().max()))
 
 
+@pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("swap_ab", [False, True])
 @pytest.mark.parametrize("scheme", ["block", "channel"])
 @pytest.mark.parametrize("rows", [4, 17, 64])
-def test_fp8_gemv_split_k_captures_into_a_cuda_graph(rows: int, scheme: str, swap_ab: bool) -> None:
-    """The split-K launch (partials and the second kernel), in either operand orientation
-    with the rest of the row bucket's ``PLANS`` entry, replays on new inputs."""
+def test_fp8_gemv_split_k_captures_into_a_cuda_graph(rows: int, scheme: str, swap_ab: bool, tma: bool) -> None:
+    """The split-K launch (partials summed by the last slice of each tile), in either
+    operand orientation, the weight read by loads or TMA, with the rest of the row bucket's ``PLANS`` entry, replays on new
+    inputs, every replay right (the tile counters are back at zero after each)."""
     torch.manual_seed(0)
     w, w_scale = quantize_weight(torch.randn(512, 8192, device="cuda", dtype=torch.bfloat16) * 0.02, scheme)
-    config = dataclasses.replace(PLANS[block_rows(rows)], swap_ab=swap_ab)
+    config = dataclasses.replace(PLANS[block_rows(rows)], swap_ab=swap_ab, tma=tma)
     p = plan(rows, 512, 8192, torch.cuda.get_device_properties(0).multi_processor_count, config)
     assert p.split > 1
     x = torch.randn(rows, 8192, device="cuda", dtype=torch.bfloat16)
@@ -200,9 +205,11 @@ def test_fp8_gemv_split_k_captures_into_a_cuda_graph(rows: int, scheme: str, swa
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fp8_gemv(x, w, w_scale, gemv_plan=p)
-    x.copy_(torch.randn_like(x))
-    graph.replay()
-    torch.testing.assert_close(out, fp8_gemv_ref(x, w, w_scale), rtol=1e-2, atol=2e-3 * float(out.abs().max()))
+    for _ in range(20):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.testing.assert_close(out, fp8_gemv_ref(x, w, w_scale), rtol=1e-2, atol=2e-3 * float(out.abs().max()))
+    assert not fp8_gemv_module._tile_counters(x.device).any()
 
 
 def test_fp8_linear_captures_into_a_cuda_graph() -> None:
