@@ -84,7 +84,7 @@ class LaunchConfig:
 #: 0.186 ms at 64 rows, where cuBLASLt's 0.159 ms wins (``fp8.GEMV_MAX_ROWS`` is 32). The
 #: swapped operands (the weight as the wgmma register operand) were never better. Split-K
 #: summed in the kernel (``serial_split_k``): 0.110 ms at 1 row and 0.113 at 16, against
-#: 0.1135 and 0.115 with a second launch (bench/results/fp8_gemm_tma_h100.json).
+#: 0.1135 and 0.115 with a second launch (bench/results/s12/fp8_gemm_tma_h100.json).
 PLANS: dict[int, LaunchConfig] = {
     16: LaunchConfig(block_n=64, num_warps=4, num_stages=3, programs_per_sm=4, swap_ab=False),
     32: LaunchConfig(block_n=64, num_warps=4, num_stages=3, programs_per_sm=4, swap_ab=False),
@@ -94,9 +94,9 @@ PLANS: dict[int, LaunchConfig] = {
 #: bucket, where it differs from ``PLANS``. 17-32 rows: the best single plan of
 #: bench/results/fp8_gemm_w8a8_sweep32_h100.json, its split-K summed by a second launch
 #: (``fp8_linear`` at 32 rows: 0.125 ms a layer of Qwen2.5-7B's four projections, 0.130
-#: with the tile counters; bench/results/fp8_gemm_tma_h100.json). 33-64 rows: the best
+#: with the tile counters; bench/results/s12/fp8_gemm_tma_h100.json). 33-64 rows: the best
 #: single plan with the weight tile fetched by TMA (``bench/fp8_gemm_bench.py --rows
-#: 1,16,32,64 --sweep --grid ...``, bench/results/fp8_gemm_tma_sweep_h100.json):
+#: 1,16,32,64 --sweep --grid ...``, bench/results/s12/fp8_gemm_tma_sweep_h100.json):
 #: ``fp8_linear`` at 64 rows 0.138 ms a layer, against 0.148 under the plan before and
 #: 0.156 for cuBLASLt's block ``_scaled_mm``. One program per SM (a short split) and a
 #: deeper pipeline suit TMA.

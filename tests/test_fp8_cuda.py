@@ -11,6 +11,7 @@ import dataclasses
 import gc
 import itertools
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ import torch
 import kernels.fp8_gemv as fp8_gemv_module
 from kernels.fp8_gemv import PLANS, LaunchConfig, block_rows, fp8_gemv, fp8_gemv_ref, plan
 from kernels.fp8_quant import quantize_groups, quantize_groups_ref, quantize_rows, quantize_rows_ref
+from kernels.fused_add_rms_norm import fused_add_rms_norm, fused_add_rms_norm_fp8
 from kernels.silu_and_mul import silu_and_mul, silu_and_mul_fp8
 from shared.model_source import DUMMY_CONFIGS
 from shared.sampling import SamplingParams
@@ -75,6 +77,27 @@ def test_silu_and_mul_fp8_is_the_two_kernels_in_turn(rows: int) -> None:
     assert q.shape == q2.shape == (rows + -rows % 16, 2304) and scale.stride() == scale2.stride()
     torch.testing.assert_close(scale, scale2, rtol=0, atol=0)
     assert torch.equal(q.float(), q2.float())
+
+
+@pytest.mark.parametrize("residual", [True, False])
+@pytest.mark.parametrize(("rows", "hidden", "pad_rows_to"), [(1, 3584, 1), (33, 3584, 1), (300, 3584, 16),
+                                                           (5, 640, 16)])
+def test_fused_add_rms_norm_fp8_is_the_two_kernels_in_turn(rows: int, hidden: int, pad_rows_to: int,
+                                                           residual: bool) -> None:
+    """The residual add + RMSNorm with its output group-quantized in one launch, bit for
+    bit ``fused_add_rms_norm`` then ``quantize_groups`` (padded rows, column-major
+    scales), the residual stream too."""
+    torch.manual_seed(rows)
+    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16) * 3
+    res = torch.randn_like(x) if residual else None
+    weight = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
+    q, scale, res_out = fused_add_rms_norm_fp8(x, res, weight, 1e-6, pad_rows_to=pad_rows_to)
+    out2, res_out2 = fused_add_rms_norm(x, res, weight, 1e-6)
+    q2, scale2 = quantize_groups(out2, pad_rows_to=pad_rows_to, scales_column_major=True)
+    assert q.shape == q2.shape == (rows + -rows % pad_rows_to, hidden) and scale.stride() == scale2.stride()
+    torch.testing.assert_close(scale, scale2, rtol=0, atol=0)
+    assert torch.equal(q.float(), q2.float())
+    assert torch.equal(res_out, res_out2)
 
 
 @pytest.mark.parametrize("rows", [17, 32, 33, 64])
@@ -312,3 +335,31 @@ def test_fp8_logits_against_unquantized_and_the_reference(two_layer_folder: str)
     print(f"relative logit error: vs reference {vs_reference:.6f}, vs unquantized {vs_plain:.4f}")
     assert vs_reference < 1e-3
     assert vs_reference < vs_plain < 0.2
+
+
+def test_norms_quantize_for_their_block_scaled_products(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model whose dims are multiples of 128 (2 layers, bf16, FP8 blocks): a prefill
+    runs each layer's two pre-norms through ``fused_add_rms_norm_fp8`` (their products
+    take group-quantized input), and its logits equal, bit for bit, those of the same
+    model with the norm and the quantizer as two launches."""
+    import worker.models.linear as linear_module
+
+    config = DUMMY_CONFIGS[MODEL] | {"num_hidden_layers": 2, "hidden_size": 512, "intermediate_size": 1536,
+                                     "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    llm = _llm(model=str(tmp_path), quantization="fp8", enforce_eager=True, enable_prefix_caching=False)
+    prompt = _prompts()[2]
+    calls = []
+    fused = linear_module.fused_add_rms_norm_fp8
+    monkeypatch.setattr(linear_module, "fused_add_rms_norm_fp8", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    logits = _prefill_logits(llm, prompt)
+    assert len(calls) == 2 * 2
+
+    def two_launches(*args: object, pad_rows_to: int = 1) -> tuple[torch.Tensor, ...]:
+        out, res = fused_add_rms_norm(*args)  # type: ignore[arg-type]
+        return *quantize_groups(out, pad_rows_to=pad_rows_to, scales_column_major=True), res
+
+    monkeypatch.setattr(linear_module, "fused_add_rms_norm_fp8", two_launches)
+    assert torch.equal(_prefill_logits(llm, prompt), logits)
+    _free(llm)
+

@@ -64,6 +64,23 @@ def test_a_token_in_flight_that_reaches_max_tokens_is_not_scheduled_again() -> N
     assert finished == [a] and a.status == RequestStatus.FINISHED_LENGTH
 
 
+def test_prompts_ending_in_flight_do_not_cap_the_next_steps_prefill() -> None:
+    """With the prefill capped per decoding request (Sarathi-Serve's budget), requests
+    whose token in flight is their last decode no more: the step scheduled ahead gives
+    the waiting prompts the whole token budget, as the synchronous scheduler would once
+    they finished (an offline prefill of 16 prompts took 9 steps instead of 2)."""
+    s = Scheduler(BlockManager(1024, 4, False), 32, 1024, prefill_tokens_per_decode=1)
+    first_wave = [_req(f"a{i}", 128, max_tokens=1) for i in range(8)]
+    second_wave = [_req(f"b{i}", 128, max_tokens=1) for i in range(8)]
+    for r in first_wave + second_wave:
+        s.add(r)
+    first = s.schedule()
+    assert [x.request for x in first.scheduled] == first_wave
+    with s.ahead_of(first) as nxt:
+        assert [x.request for x in nxt.scheduled] == second_wave
+        assert sum(x.num_tokens for x in nxt.scheduled) == 1024  # counted, they capped it at 512
+
+
 def test_a_request_that_stops_on_its_token_in_flight_drops_the_step_after() -> None:
     s = _scheduler()
     a = _req("a", 3, max_tokens=8)

@@ -108,6 +108,13 @@ class Request:
         return len(self.token_ids) - len(self.prompt_token_ids)
 
     @property
+    def ends_in_flight(self) -> bool:
+        """Whether a token sampled in flight (``num_pending_tokens``) is its last by
+        ``max_tokens``: a step scheduled ahead gives it nothing to compute."""
+        return bool(self.num_pending_tokens) and (
+            self.num_output_tokens + self.num_pending_tokens >= self.sampling.max_tokens)
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]
 

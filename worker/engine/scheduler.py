@@ -208,8 +208,7 @@ class Scheduler:
             request = self.running[i]
             if request.priority > floor:
                 break  # paused this step: the rest are of lower classes still (class order)
-            if request.num_pending_tokens and (request.num_output_tokens + request.num_pending_tokens
-                                               >= request.sampling.max_tokens):
+            if request.ends_in_flight:
                 i += 1  # looking ahead: its token in flight is its last (``max_tokens``)
                 continue
             num_new = min(request.num_uncomputed_tokens, budget)
@@ -341,10 +340,15 @@ class Scheduler:
         unbounded with no decode or no cap. A mixed step then takes a bounded multiple of
         a decode step's time, so decoding sequences see no inter-token spike when a long
         prompt arrives (Sarathi-Serve's stall-free batching, Agrawal et al., OSDI 2024,
-        sizes chunks for a latency target the same way)."""
+        sizes chunks for a latency target the same way). Looking ahead, a request whose
+        token in flight is its last (``Request.ends_in_flight``) decodes no more. Counted
+        as decodes, 8 prompts finishing in flight capped the next step's prefill at
+        ``MIN_PREFILL_TOKENS``, and an offline prefill of 16 prompts of 512 tokens took 9
+        steps instead of 2 on the H100."""
         if self.prefill_tokens_per_decode <= 0:
             return self.max_num_batched_tokens
-        num_decodes = sum(r.num_uncomputed_tokens == 1 and r.priority <= floor for r in self.running)
+        num_decodes = sum(r.num_uncomputed_tokens == 1 and r.priority <= floor and not r.ends_in_flight
+                          for r in self.running)
         if num_decodes == 0:
             return self.max_num_batched_tokens
         return max(MIN_PREFILL_TOKENS, self.prefill_tokens_per_decode * num_decodes)

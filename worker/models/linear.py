@@ -32,11 +32,13 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.fused_add_rms_norm import fused_add_rms_norm_fp8
 from kernels.silu_and_mul import silu_and_mul, silu_and_mul_fp8
 from worker.models.fp8 import (
     FP8_DTYPE,
@@ -146,6 +148,18 @@ def choose_max_rows(weight: torch.Tensor, rows: int = CALIBRATION_ROWS,
     return UNLIMITED_ROWS if onednn_ms < mkl_ms else PACKED_MAX_ROWS
 
 
+class RMSNormLike(Protocol):
+    """What ``Linear.forward_add_rms_norm`` needs of a norm (``worker.models.llama.RMSNorm``):
+    its weight ``[in_features]``, eps, offset (0: Llama's ``x * weight``), and its call."""
+
+    weight: torch.Tensor
+    eps: float
+    offset: float
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                 fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` that uses a prepacked oneDNN weight on CPU once ``prepack`` has been
     called (after the weights are loaded; call again if they change), and that can hold
@@ -200,6 +214,23 @@ class Linear(nn.Linear):
             return block_product(q, scale, self.weight, self.weight_scale, gate_up.shape[0], self.bias,
                                  gate_up.dtype)
         return self(silu_and_mul(gate_up))
+
+    def forward_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
+                             norm: RMSNormLike) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(norm(x + residual)), x + residual)`` for a pre-norm block's first
+        product (``x``, ``residual``: ``[T, in_features]``; ``residual`` None at the
+        first layer). A product that ``fp8_linear`` would run on group-quantized input
+        gets it from ``fused_add_rms_norm_fp8``, which quantizes the norm's output as it
+        computes it (no bfloat16 intermediate, no quantizer launch); otherwise the norm
+        runs fused with the add (``norm(x, residual, fused=True)``) and then this product."""
+        rows = x.shape[0]
+        if (self.is_fp8 and norm.offset == 0.0 and x.dim() == 2
+                and takes_group_quantized_input(rows, self.weight, self.weight_scale)):
+            q, scale, residual = fused_add_rms_norm_fp8(x, residual, norm.weight, norm.eps,
+                                                        pad_rows_to=block_input_padding(rows))
+            return block_product(q, scale, self.weight, self.weight_scale, rows, self.bias, x.dtype), residual
+        h, residual = norm(x, residual, fused=True)
+        return self(h), residual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_fp8:

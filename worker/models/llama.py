@@ -167,8 +167,15 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, kv_cache: KVCache,
                 meta: AttentionMetadata, backend: AttentionBackend,
                 rope: RopeTables | None = None) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        """``x [T, hidden]`` (normalised) -> ``[T, hidden]``."""
+        return self.attend(self.qkv_proj(x), positions, rotary, kv_cache, meta, backend, rope)
+
+    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, rotary: Rotary, kv_cache: KVCache,
+               meta: AttentionMetadata, backend: AttentionBackend,
+               rope: RopeTables | None = None) -> torch.Tensor:
+        """The layer past ``qkv_proj``: ``qkv [T, q_size + 2 * kv_size]`` -> ``[T, hidden]``."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -195,7 +202,10 @@ class MLP(nn.Module):
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        return self.from_gate_up(self.gate_up_proj(x), fused)
+
+    def from_gate_up(self, gate_up: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """The block past ``gate_up_proj``: ``gate_up [T, 2 * intermediate]`` -> ``[T, hidden]``."""
         if fused and not self.gelu:
             return self.down_proj.forward_silu_and_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
@@ -234,6 +244,16 @@ class DecoderLayer(nn.Module):
         """``x``: the previous layer's branch output, ``residual``: the stream before it
         (None at layer 0); returns this layer's pair, both ``[T, hidden_size]``."""
         fused = backend.fused_ops
+        if "rmsnorm" in fused and not self.sandwich:
+            # Each norm with the product that reads it (FP8: its output quantized as computed).
+            qkv, residual = self.self_attn.qkv_proj.forward_add_rms_norm(x, residual, self.input_layernorm)
+            h = self.self_attn.attend(qkv, positions, rotary, kv_cache, meta, backend, rope)
+            if isinstance(self.mlp, MLP):
+                gate_up, residual = self.mlp.gate_up_proj.forward_add_rms_norm(h, residual,
+                                                                               self.post_attention_layernorm)
+                return self.mlp.from_gate_up(gate_up, "silu_mul" in fused), residual
+            h, residual = self.post_attention_layernorm(h, residual, True)
+            return self.mlp(h, "silu_mul" in fused), residual
         h, residual = self.input_layernorm(x, residual, "rmsnorm" in fused)
         h = self.self_attn(h, positions, rotary, kv_cache, meta, backend, rope)
         if self.sandwich:
