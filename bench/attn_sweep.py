@@ -9,6 +9,7 @@ best config per point.
 
     python -m bench.attn_sweep --out bench/results/attn_sweep_h100.json
     python -m bench.attn_sweep --prefill --out bench/results/attn_sweep_prefill_h100.json
+    python -m bench.attn_sweep --prefill --default-only   # the default config alone: a kernel A/B
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ def time_config(cfg: dict, call: functools.partial, out: torch.Tensor, ref: torc
         pa._attention_config = base_cfg
 
 
-def prefill_sweep() -> list[dict]:
-    """The prefill launch's configs on whole prompts (no earlier context), best first per point."""
+def prefill_sweep(default_only: bool = False) -> list[dict]:
+    """The prefill launch's configs on whole prompts (no earlier context), best first per
+    point; ``default_only``: just the config ``_attention_config`` picks (a kernel A/B)."""
     nh, nkv, d, bs = 28, 4, 128, 16
     dev, dt = "cuda", torch.bfloat16
     results = []
@@ -76,7 +78,9 @@ def prefill_sweep() -> list[dict]:
         rows = []
         call = functools.partial(pa.paged_attention, q, kc, vc, tables, qsl, lens, d ** -0.5, out,
                                  max_query_len=length, max_seq_len=length)
-        for block_m, tile, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
+        grid = [(default["BLOCK_M"], default["TILE"], default["num_warps"], default["num_stages"])] if default_only \
+            else itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))
+        for block_m, tile, warps, stages in grid:
             cfg = dict(default, BLOCK_M=block_m, BLOCK_Q=block_m // (nh // nkv), TILE=tile, num_warps=warps,
                        num_stages=stages)
             r = time_config(cfg, call, out, ref, reps=5)
@@ -98,10 +102,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
     ap.add_argument("--prefill", action="store_true", help="sweep the prefill launch instead (module docstring)")
+    ap.add_argument("--default-only", action="store_true", help="with --prefill: time only the default config")
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.prefill:
-        results = prefill_sweep()
+        results = prefill_sweep(args.default_only)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)

@@ -285,6 +285,44 @@ if triton is not None:
         return lo - 1
 
     @triton.jit
+    def _attn_tile(q, acc, m_i, l_i, t, offs_n, offs_d, d_valid, q_abs, num_keys, first_key, bt_row, k_cache_ptr,
+                   v_cache_ptr, kh_off_k, kh_off_v, qk_scale, stride_bt_b, stride_kb, stride_ks, stride_vb, stride_vs,
+                   BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   SLIDING_WINDOW: tl.constexpr, MASKED: tl.constexpr):
+        """One key tile ``t`` of ``_paged_attn_kernel``'s online softmax: returns the new
+        ``(acc, m_i, l_i)``. ``MASKED``: apply the causal (and window) mask and the key
+        range; off, every key of the tile is valid and seen by every row."""
+        key = t * TILE + offs_n
+        if MASKED:
+            key_valid = (key < num_keys) & (key >= first_key)
+        else:
+            key_valid = key >= 0
+        # Gather: each key's physical block (int64: a cache can exceed 2**31 elements).
+        phys = tl.load(bt_row + (key // BLOCK_SIZE) * stride_bt_b, mask=key_valid, other=0).to(tl.int64)
+        in_block = (key % BLOCK_SIZE).to(tl.int64)
+        kv_mask = key_valid[:, None] & d_valid[None, :]
+        k = tl.load(k_cache_ptr + (phys * stride_kb + in_block * stride_ks + kh_off_k)[:, None] + offs_d[None, :],
+                    mask=kv_mask, other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if MASKED:
+            seen = (key[None, :] <= q_abs[:, None]) & key_valid[None, :]
+            if SLIDING_WINDOW > 0:
+                seen = seen & (key[None, :] > q_abs[:, None] - SLIDING_WINDOW)
+            s = tl.where(seen, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked row
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = m_new
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + (phys * stride_vb + in_block * stride_vs + kh_off_v)[:, None] + offs_d[None, :],
+                    mask=kv_mask, other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        return acc, m_new, l_i
+
+    @triton.jit
     def _paged_attn_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
         part_out_ptr, part_m_ptr, part_l_ptr,
@@ -358,29 +396,22 @@ if triton is not None:
         bt_row = block_tables_ptr + seq_idx.to(tl.int64) * stride_bt_s
         kh_off_k = kv_head.to(tl.int64) * stride_kh
         kh_off_v = kv_head.to(tl.int64) * stride_vh
-        for t in range(tile_lo, tile_hi):
-            key = t * TILE + offs_n
-            key_valid = (key < num_keys) & (key >= first_key)
-            # Gather: each key's physical block (int64: a cache can exceed 2**31 elements).
-            phys = tl.load(bt_row + (key // BLOCK_SIZE) * stride_bt_b, mask=key_valid, other=0).to(tl.int64)
-            in_block = (key % BLOCK_SIZE).to(tl.int64)
-            kv_mask = key_valid[:, None] & d_valid[None, :]
-            k = tl.load(k_cache_ptr + (phys * stride_kb + in_block * stride_ks + kh_off_k)[:, None] + offs_d[None, :],
-                        mask=kv_mask, other=0.0).to(q.dtype)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            seen = (key[None, :] <= q_abs[:, None]) & key_valid[None, :]
-            if SLIDING_WINDOW > 0:
-                seen = seen & (key[None, :] > q_abs[:, None] - SLIDING_WINDOW)
-            s = tl.where(seen, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked row
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache_ptr + (phys * stride_vb + in_block * stride_vs + kh_off_v)[:, None] + offs_d[None, :],
-                        mask=kv_mask, other=0.0).to(q.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+        # Tiles whose every key every row of the q-block sees (full causal, keys before the
+        # block's first query) need no mask: only the last tile or two of a row's keys do.
+        if SLIDING_WINDOW == 0:
+            full_hi = tl.maximum(tl.minimum((context_len + q_block_local * BLOCK_Q + 1) // TILE, tile_hi), tile_lo)
+        else:
+            full_hi = tile_lo
+        for t in range(tile_lo, full_hi):
+            acc, m_i, l_i = _attn_tile(
+                q, acc, m_i, l_i, t, offs_n, offs_d, d_valid, q_abs, num_keys, first_key, bt_row, k_cache_ptr,
+                v_cache_ptr, kh_off_k, kh_off_v, qk_scale, stride_bt_b, stride_kb, stride_ks, stride_vb, stride_vs,
+                BLOCK_SIZE, TILE, DOT_PRECISION, SLIDING_WINDOW, False)
+        for t in range(full_hi, tile_hi):
+            acc, m_i, l_i = _attn_tile(
+                q, acc, m_i, l_i, t, offs_n, offs_d, d_valid, q_abs, num_keys, first_key, bt_row, k_cache_ptr,
+                v_cache_ptr, kh_off_k, kh_off_v, qk_scale, stride_bt_b, stride_kb, stride_ks, stride_vb, stride_vs,
+                BLOCK_SIZE, TILE, DOT_PRECISION, SLIDING_WINDOW, True)
 
         acc = acc * v_scale  # 1.0 unless the cache is fp8
         if NUM_SPLITS == 1:
