@@ -12,7 +12,7 @@ Layout (names in ``shared/keys.py``):
   "Fairness in Serving Large Language Models", OSDI 2024; AIBrix's VTC router);
 - a doorbell list that idle workers block on.
 
-Two Lua scripts do every change, so each is atomic however many gateways and workers run:
+Two Lua scripts do every change, so each is atomic however many gateways and workers run; a third reads:
 
 - ``_ENQUEUE`` (gateway): XADD the request(s) with their cost, join the tenant to its
   class's active set, ring the doorbell. A tenant that (re)joins starts at the smallest
@@ -23,6 +23,8 @@ Two Lua scripts do every change, so each is atomic however many gateways and wor
   its counter gains it at most one request's cost. A request of a class above the lowest
   is also announced on the model's arrivals channel (``arrival_message``: its class rank
   and tenant), for busy workers (``LLMEngine.note_arrival``).
+- ``_NUM_WAITING`` (gateway, read only): the admission depth, summed over the model's
+  streams in one round trip.
 - ``_PULL`` (worker): take the highest non-empty class (interactive, then default, then
   batch), in it the stream with the smallest counter, XREADGROUP one entry (no BLOCK:
   allowed in scripts), and add the entry's cost to the counter; a stream with nothing
@@ -154,6 +156,28 @@ if ARGV[9] ~= '' then redis.call('PUBLISH', ARGV[9], ARGV[10]) end
 return ids
 """
 
+# KEYS: the model's set of streams, its base stream. ARGV: group. Returns the entries no
+# worker has taken yet, over every stream: per stream XLEN less the group's pending count
+# (not below 0; a stream without the group has nothing pending), as ``depths()`` sums them.
+_NUM_WAITING = """
+local total, seen = 0, {}
+local function add(stream)
+  if seen[stream] then return end
+  seen[stream] = true
+  local length = redis.call('XLEN', stream)
+  if length > 0 then
+    local summary = redis.pcall('XPENDING', stream, ARGV[1])
+    if type(summary) == 'table' and summary.err == nil then
+      length = math.max(0, length - tonumber(summary[1]))
+    end
+  end
+  total = total + length
+end
+add(KEYS[2])
+for _, stream in ipairs(redis.call('SMEMBERS', KEYS[1])) do add(stream) end
+return total
+"""
+
 # KEYS: the classes' active sets (highest class first), base stream, doorbell
 # ARGV: group, consumer, cost field, then per class the most entries to hold in all once
 # that class's are taken, the limit for the base stream's hand-made entries, per class
@@ -232,6 +256,7 @@ class FairQueue:
         self.base_stream = keys.requests_stream(model)
         self._enqueue = client.register_script(_ENQUEUE)
         self._pull = client.register_script(_PULL)
+        self._num_waiting = client.register_script(_NUM_WAITING)
         self._active = [keys.active_streams(model, c) for c in PRIORITY_CLASSES]
 
     def stream(self, priority_class: str, tenant: str) -> str:
@@ -345,5 +370,8 @@ class FairQueue:
         return out
 
     async def num_waiting(self) -> int:
-        """Entries no worker has taken yet, over every stream of the model (admission's depth)."""
-        return sum(d.num_waiting for d in (await self.depths()).values())
+        """Entries no worker has taken yet, over every stream of the model (admission's
+        depth): ``depths()``'s sum, in one script call instead of a set read and then a
+        pipeline (one round trip, where a burst of admissions waits on it)."""
+        return int(await self._num_waiting(keys=[self.keys.model_streams(self.model), self.base_stream],
+                                           args=[CONSUMER_GROUP]))

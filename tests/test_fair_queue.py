@@ -246,3 +246,30 @@ async def test_snapshot_shows_each_class_and_tenant(client: aioredis.Redis) -> N
     assert set(by_tenant) == {("default", "anonymous"), ("interactive", "alice"), ("batch", "bob")}
     assert by_tenant[("interactive", "alice")].virtual_tokens == entry_cost(_request("x"))
     assert by_tenant[("batch", "bob")].virtual_tokens == 0.0  # joined, not yet charged
+
+
+async def test_the_admission_depth_is_one_script_call_and_equals_the_streams_sum(client: aioredis.Redis) -> None:
+    """``num_waiting`` (one round trip: the script, no set read) sums what ``depths()``
+    reads stream by stream: entries taken by a worker do not count, a stream whose group
+    does not exist yet counts whole, and a hand-made entry on the base stream counts."""
+    keys = _keys()
+    queue = FairQueue(client, keys, MODEL)
+    for i in range(3):
+        await _put(queue, "interactive", "alice", _request(f"i{i}", priority=0))
+    for i in range(4):
+        await _put(queue, "batch", "bob", _request(f"b{i}", priority=2))
+    assert _ids(await queue.pull("w1", 2)) == ["i0", "i1"]  # two taken: pending, not waiting
+    no_group = queue.stream("default", "carol")  # listed, but no consumer group on it yet
+    await client.xadd(no_group, {STREAM_FIELD: b"x"})
+    await client.sadd(keys.model_streams(MODEL), no_group)
+    await client.xadd(queue.base_stream, {STREAM_FIELD: b"y"})
+    expected = sum(d.num_waiting for d in (await queue.depths()).values())
+    assert expected == 1 + 4 + 1 + 1
+    await queue.num_waiting()  # the first call also loads the script into Redis
+    before = await client.info("commandstats")
+    assert await queue.num_waiting() == expected
+    after = await client.info("commandstats")
+    calls = {name: int(after.get(name, {}).get("calls", 0)) - int(before.get(name, {}).get("calls", 0))
+             for name in ("cmdstat_smembers", "cmdstat_evalsha", "cmdstat_eval")}
+    assert calls["cmdstat_smembers"] == 1  # inside the script
+    assert calls["cmdstat_evalsha"] + calls["cmdstat_eval"] == 1
