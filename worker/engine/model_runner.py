@@ -222,11 +222,11 @@ class ModelRunner:
         hints; so its Triton kernels get the arguments they were compiled for at capture
         (Triton specialises on integer values and pointer alignment), and nothing compiles
         when such a request first comes. Its hidden rows past the step's tokens are padding."""
-        mixed = self.mixed
-        num_tokens = sum(item.num_tokens for item in batch)
-        # A speculative step scores 1 + k rows per sequence: more than the graphs' buffers hold.
-        if mixed is None or not mixed.fits(num_tokens, len(batch)) or any(item.num_spec_tokens for item in batch):
+        if not self.takes_mixed_graphs(batch):
             return self.prepare(batch)
+        mixed = self.mixed
+        assert mixed is not None
+        num_tokens = sum(item.num_tokens for item in batch)
         bucket = next(b for b in mixed.buckets if b >= num_tokens)
         shape = mixed.inputs.fill(batch, pad_tokens_to=bucket)
         mixed.inputs.upload()
@@ -377,6 +377,13 @@ class ModelRunner:
         token (and samples it), and the graphs hold that many sequences."""
         return self.can_launch_decode(len(batch)) and all(item.num_tokens == 1 and item.samples for item in batch)
 
+    def takes_mixed_graphs(self, batch: Sequence[ScheduledRequest]) -> bool:
+        """Whether the mixed-step graphs hold a step of ``batch``: its tokens and sequences
+        fit their largest bucket, and no item verifies drafts (a speculative step scores
+        1 + k rows per sequence: more than the graphs' buffers hold)."""
+        return (self.mixed is not None and not any(item.num_spec_tokens for item in batch)
+                and self.mixed.fits(sum(item.num_tokens for item in batch), len(batch)))
+
     def can_launch_step(self, batch: Sequence[ScheduledRequest]) -> bool:
         """True when ``launch_step`` can enqueue ``batch`` without waiting: a decode step
         the decode graphs hold, or a step the mixed-step graphs hold; no item verifies
@@ -386,7 +393,7 @@ class ModelRunner:
             return False
         if self.device.type != "cuda" or self.takes_decode_graphs(batch):
             return True
-        return self.mixed is not None and self.mixed.fits(sum(item.num_tokens for item in batch), len(batch))
+        return self.takes_mixed_graphs(batch)
 
     @torch.inference_mode()
     def launch_step(self, batch: Sequence[ScheduledRequest], from_device: Sequence[tuple[int, int]] = (),
@@ -464,9 +471,8 @@ class ModelRunner:
         if not spans and not speculative and self.takes_decode_graphs(batch):
             requests = [item.request for item in batch]
             logits = self._decode_logits(requests, *decode_inputs(requests))
-        elif not spans and not speculative and self.mixed is not None and self.mixed.fits(sum(item.num_tokens for item in batch),
-                                                                      len(batch)):
-            rows = self.finish_pieces(self.mixed.begin(batch))
+        elif not spans and self.takes_mixed_graphs(batch):
+            rows = self.finish_pieces(self.mixed.begin(batch))  # type: ignore[union-attr]
             if sampled_items:
                 logits = self.model.compute_logits(rows)
         else:
