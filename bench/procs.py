@@ -75,9 +75,20 @@ def cpu_s(pid: int) -> float:
 
     Raises ``FileNotFoundError`` when the process is gone (its zombie still has a stat file).
     """
+    return sum(cpu_times(pid))
+
+
+def cpu_times(pid: int) -> tuple[float, float]:
+    """``(user, system)`` CPU seconds a running process has used so far (Linux
+    ``/proc/PID/stat``). System time holds the kernel's work for the process, such as a
+    socket write's delivery over loopback to a client on the same host.
+
+    Raises ``FileNotFoundError`` when the process is gone (its zombie still has a stat file).
+    """
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     # After the ")" closing the command name, utime and stime are the 12th and 13th fields.
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def cmdline(pid: int) -> list[str]:

@@ -56,7 +56,7 @@ from bench.loadgen import BenchConfig, run_benchmark
 from bench.loadgen.multiproc import run_split
 from bench.loadgen.runner import build_requests
 from bench.model_folder import build_model_folder, export_tokenizer
-from bench.procs import ROOT, cmdline, cpu_s, descendants, free_port, spawn, stop
+from bench.procs import ROOT, cmdline, cpu_times, descendants, free_port, spawn, stop
 from shared.model_source import DUMMY_CONFIGS
 from shared.settings import ALL_SETTINGS, env_name, flag_name
 
@@ -288,7 +288,7 @@ def measure_pass(cfg: BenchConfig, serve_pid: int, client_processes: int = 1,
     With ``client_processes > 1`` the requests are sent from that many processes
     (``bench.loadgen.multiproc``), and ``client`` CPU is theirs in all."""
     roles = process_roles(serve_pid)
-    before = {pid: cpu_s(pid) for pid in roles}
+    before = {pid: cpu_times(pid) for pid in roles}
     engine_before = engine_counters(metrics_url)
     start_monotonic_s = time.monotonic()  # the worker's step trace uses the same clock
     if client_processes > 1:
@@ -298,11 +298,14 @@ def measure_pass(cfg: BenchConfig, serve_pid: int, client_processes: int = 1,
         result = asyncio.run(run_benchmark(cfg))
         client_s = time.process_time() - client_before_s
     cpu = dict.fromkeys(ROLES, 0.0)
+    system = dict.fromkeys(ROLES[:3], 0.0)  # of which in the kernel (socket writes, epoll, ...)
     for pid, role in roles.items():
         try:
-            cpu[role] += cpu_s(pid) - before[pid]
+            user_s, system_s = cpu_times(pid)
         except FileNotFoundError:  # gone during the pass: its share is lost
-            pass
+            continue
+        cpu[role] += user_s + system_s - sum(before[pid])
+        system[role] += system_s - before[pid][1]
     cpu["client"] = client_s
     engine = engine_delta(engine_before, engine_counters(metrics_url), result.metrics.duration_s)
     m = result.metrics
@@ -318,6 +321,7 @@ def measure_pass(cfg: BenchConfig, serve_pid: int, client_processes: int = 1,
             "tpot_ms": stats("tpot"), "cpu_s": cpu, "cpu_s_per_1k_output_tokens": {
                 r: cpu[r] * 1000 / tokens for r in ROLES},
             "cpu_cores": {r: cpu[r] / m.duration_s for r in ROLES},
+            "system_cpu_share": {r: system[r] / cpu[r] if cpu[r] else 0.0 for r in system},
             "num_processes": {r: sum(1 for v in roles.values() if v == r) for r in ROLES[:3]},
             "engine": engine, "monotonic_s": [start_monotonic_s, time.monotonic()],
             "errors": sorted({o.error for o in result.outputs if o.error})[:3]}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
 import secrets
@@ -19,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Receive, Scope, Send
 
-from gateway.admission import Enqueuer, QueueDepthReader
+from gateway.admission import Enqueuer
 from gateway.batches import install_batch_routes
 from gateway.errors import OpenAIError, install_error_handlers
 from gateway.failover import failover_loop
@@ -83,10 +84,22 @@ def load_tokenizer(source: ModelSource) -> Any:
     return tokenizer_loader.load_tokenizer(source.path)
 
 
+#: FastAPI's own OpenTelemetry hooks (FastAPI >= 0.16x), off: with them on, every request
+#: asks OpenTelemetry for its global providers and reads the environment (~2-3% of a
+#: gateway process's samples at 8 output tokens a request, py-spy, 2-core CPU); the
+#: gateway's metrics are Prometheus (gateway/metrics.py). Older FastAPI has no such argument.
+_NO_TELEMETRY = ({"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+                 if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {})
+
+
 class GatewayApp(FastAPI):
     """FastAPI that keeps the server's own ``send`` in each HTTP request's scope
     (``gateway.sse.SERVER_SEND_KEY``), so a stream's body writes skip the exception
-    middlewares' ``send`` wrappers (one write per token and stream; gateway/sse.py)."""
+    middlewares' ``send`` wrappers (one write per token and stream; gateway/sse.py).
+    FastAPI's OpenTelemetry hooks are off (``_NO_TELEMETRY``)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**_NO_TELEMETRY, **kwargs)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -123,7 +136,7 @@ def create_app(gateway: GatewaySettings, redis: RedisSettings, model: ModelSetti
             tokenizer=TokenizerWorker(tokenizer, source.config, num_encode_threads=gateway.num_tokenizer_threads,
                                       encode_timeout_s=gateway.tokenize_timeout_s),
             metrics=metrics, tasks=BackgroundTasks(),
-            queue=queue, queue_depth=QueueDepthReader(queue), enqueuer=Enqueuer(queue),
+            queue=queue, enqueuer=Enqueuer(queue, gateway.max_queue_len),
             rate_limiter=RateLimiter(client, keys, served_name, gateway, metrics),
             created_unix_s=int(time.time()),
             max_model_len=max_model_len(source.config, model.max_model_len))

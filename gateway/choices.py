@@ -12,8 +12,8 @@ and repeat; greedy choices are identical.
 - Wire ids: one child keeps the request's wire id; several get ``<wire id>-<k>``. A
   client's ``X-Request-Id`` stays reserved (gateway/request_ids.py) until the last child
   closes.
-- Admission is all or nothing: the queue-depth check counts every child, and one atomic
-  Redis step XADDs them all or none (``admission.Enqueuer``), to the stream of the
+- Admission is all or nothing: one atomic Redis step checks the queue depth, counting
+  every child, and XADDs them all or none (``admission.Enqueuer``), to the stream of the
   request's priority class and tenant (``shared/fair_queue.py``).
 - Response: one body, choices in index order; ``usage`` counts each prompt's tokens once
   and every child's output tokens. A stream merges the children's steps as they arrive,
@@ -41,7 +41,6 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from gateway.admission import check_queue
 from gateway.errors import OpenAIError
 from gateway.generation import ClientDisconnected, Generation
 from gateway.logprobs import LogprobsFormatter, join_completion_logprobs
@@ -88,7 +87,6 @@ async def submit(state: GatewayState, request: Request, request_id: str, prompts
     if not await state.relay.wait_ready(RELAY_READY_TIMEOUT_S):
         raise OpenAIError(503, "not subscribed to the reply channel (Redis unavailable)", code="redis_unavailable")
     num_children = len(prompts) * n
-    await check_queue(state.queue_depth, state.settings.max_queue_len, num_children)
     client_id = request.headers.get("x-request-id") is not None
     id_key = state.keys.request_id_key(request_id) if client_id else None
     wire_id = wire_request_id(request_id, client_id)

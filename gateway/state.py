@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from gateway.admission import Enqueuer, QueueDepthReader
+from gateway.admission import Enqueuer
 from gateway.generation import Generation
 from gateway.metrics import GatewayMetrics, observe_many
 from gateway.rate_limits import RateLimiter
@@ -45,9 +45,8 @@ class GatewayState:
     tasks: BackgroundTasks
     #: The model's classes and tenants in Redis (``shared/fair_queue.py``).
     queue: FairQueue
-    #: The model's queue depth for admission (one Redis read shared by concurrent requests).
-    queue_depth: QueueDepthReader
-    #: Puts accepted requests on the stream (XADDs of lone requests group-committed).
+    #: Admits and puts accepted requests on the stream (XADDs of lone requests
+    #: group-committed; 429 past ``max_queue_len`` waiting).
     enqueuer: Enqueuer
     #: Requests and tokens per minute per tenant (gateway/rate_limits.py).
     rate_limiter: RateLimiter

@@ -12,19 +12,19 @@ Layout (names in ``shared/keys.py``):
   "Fairness in Serving Large Language Models", OSDI 2024; AIBrix's VTC router);
 - a doorbell list that idle workers block on.
 
-Two Lua scripts do every change, so each is atomic however many gateways and workers run; a third reads:
+Two Lua scripts do every change, so each is atomic however many gateways and workers run:
 
-- ``_ENQUEUE`` (gateway): XADD the request(s) with their cost, join the tenant to its
-  class's active set, ring the doorbell. A tenant that (re)joins starts at the smallest
-  active counter of its class (VTC's lift), rounded up, less half a token
-  (``JOIN_OFFSET``): it is served before the tenant holding that counter, not after it
-  on a tie broken by stream name. Idling banks no credit: a tenant that left (nothing
+- ``_ENQUEUE`` (gateway): admission first (given a limit, refuse the request(s), writing
+  nothing, when the model's waiting entries summed over its streams plus them would
+  exceed it: exact, as the check and the XADD are one step), then XADD the request(s)
+  with their cost, join the tenant to its class's active set, ring the doorbell. A
+  tenant that (re)joins starts at the smallest active counter of its class (VTC's lift),
+  rounded up, less half a token (``JOIN_OFFSET``): it is served before the tenant holding
+  that counter, not after it on a tie broken by stream name. Idling banks no credit: a tenant that left (nothing
   waiting) was the one with the smallest counter when it was last served, so forgetting
   its counter gains it at most one request's cost. A request of a class above the lowest
   is also announced on the model's arrivals channel (``arrival_message``: its class rank
   and tenant), for busy workers (``LLMEngine.note_arrival``).
-- ``_NUM_WAITING`` (gateway, read only): the admission depth, summed over the model's
-  streams in one round trip.
 - ``_PULL`` (worker): take the highest non-empty class (interactive, then default, then
   batch), in it the stream with the smallest counter, XREADGROUP one entry (no BLOCK:
   allowed in scripts), and add the entry's cost to the counter; a stream with nothing
@@ -51,7 +51,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 
 from shared import protocol
 from shared.keys import ANONYMOUS_TENANT, BASE_CLASS, CONSUMER_GROUP, STREAM_FIELD, Keys
@@ -115,6 +115,29 @@ def entry_cost(request: GenerateRequest) -> int:
                + OUTPUT_TOKEN_WEIGHT * request.sampling.max_tokens)
 
 
+class QueueFull(Exception):
+    """The enqueue script refused requests: the model's queue would hold more than its
+    limit (``FairQueue.enqueue``'s ``max_waiting``). ``num_waiting``: entries waiting then."""
+
+    def __init__(self, num_waiting: int) -> None:
+        super().__init__(f"{num_waiting} requests waiting")
+        self.num_waiting = num_waiting
+
+
+def enqueue_reply(reply: Any) -> list[bytes] | None:
+    """The enqueue script's reply (``_ENQUEUE``) read: the new entry ids, or None when the
+    request-id key existed.
+
+    Raises:
+        QueueFull: the script refused the requests (its reply: the waiting count).
+    """
+    if reply is None:
+        return None
+    if isinstance(reply, int):
+        raise QueueFull(reply)
+    return list(reply)
+
+
 def stream_class_tenant(keys: Keys, model: str, stream: str) -> tuple[str, str]:
     """``(class, tenant)`` of one of ``model``'s streams (inverse of ``Keys.class_stream``)."""
     base = keys.requests_stream(model)
@@ -124,13 +147,45 @@ def stream_class_tenant(keys: Keys, model: str, stream: str) -> tuple[str, str]:
     return priority_class, tenant
 
 
-# KEYS: stream, class active set, model's stream set, doorbell[, request-id key]
+# A Lua function of the enqueue script: the entries no worker has taken yet, over the
+# model's streams (the set KEYS[set_key] and the base stream KEYS[base_key]): per stream
+# XLEN less the group ARGV[1]'s pending count (not below 0; a stream without the group has
+# nothing pending), as ``depths()`` sums them.
+_WAITING_FN = """
+local function num_waiting(set_key, base_key)
+  local total, seen = 0, {}
+  local function add(stream)
+    if seen[stream] then return end
+    seen[stream] = true
+    local length = redis.call('XLEN', stream)
+    if length > 0 then
+      local summary = redis.pcall('XPENDING', stream, ARGV[1])
+      if type(summary) == 'table' and summary.err == nil then
+        length = math.max(0, length - tonumber(summary[1]))
+      end
+    end
+    total = total + length
+  end
+  add(KEYS[base_key])
+  for _, stream in ipairs(redis.call('SMEMBERS', KEYS[set_key])) do add(stream) end
+  return total
+end
+"""
+
+# KEYS: stream, class active set, model's stream set, doorbell, base stream[, request-id key]
 # ARGV: group, stream field, cost field, entry id to finish first ("" none), ttl, wire id,
-#       max rings, join offset (JOIN_OFFSET), arrivals channel ("" none), its message, then
-#       (cost, payload) pairs. Returns the new entry ids, or false when the request-id key
-#       exists (nothing written).
-_ENQUEUE = """
-if #KEYS > 4 and not redis.call('SET', KEYS[5], ARGV[6], 'NX', 'EX', ARGV[5]) then
+#       max rings, join offset (JOIN_OFFSET), arrivals channel ("" none), its message, the
+#       most entries that may wait (admission's ``max_queue_len``; -1: no limit), then
+#       (cost, payload) pairs. Returns the new entry ids; the number of waiting entries
+#       when the new ones would take it past the limit; false when the request-id key
+#       exists. Nothing is written unless it returns ids.
+_ENQUEUE = _WAITING_FN + """
+local max_waiting = tonumber(ARGV[11])
+if max_waiting >= 0 then
+  local waiting = num_waiting(3, 5)
+  if waiting + (#ARGV - 11) / 2 > max_waiting then return waiting end
+end
+if #KEYS > 5 and not redis.call('SET', KEYS[6], ARGV[6], 'NX', 'EX', ARGV[5]) then
   return false
 end
 if ARGV[4] ~= '' then
@@ -147,35 +202,13 @@ if not redis.call('ZSCORE', KEYS[2], KEYS[1]) then
   redis.call('ZADD', KEYS[2], score, KEYS[1])
 end
 local ids = {}
-for i = 11, #ARGV, 2 do
+for i = 12, #ARGV, 2 do
   ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[i + 1], ARGV[3], ARGV[i])
   redis.call('RPUSH', KEYS[4], 1)
 end
 redis.call('LTRIM', KEYS[4], -tonumber(ARGV[7]), -1)
 if ARGV[9] ~= '' then redis.call('PUBLISH', ARGV[9], ARGV[10]) end
 return ids
-"""
-
-# KEYS: the model's set of streams, its base stream. ARGV: group. Returns the entries no
-# worker has taken yet, over every stream: per stream XLEN less the group's pending count
-# (not below 0; a stream without the group has nothing pending), as ``depths()`` sums them.
-_NUM_WAITING = """
-local total, seen = 0, {}
-local function add(stream)
-  if seen[stream] then return end
-  seen[stream] = true
-  local length = redis.call('XLEN', stream)
-  if length > 0 then
-    local summary = redis.pcall('XPENDING', stream, ARGV[1])
-    if type(summary) == 'table' and summary.err == nil then
-      length = math.max(0, length - tonumber(summary[1]))
-    end
-  end
-  total = total + length
-end
-add(KEYS[2])
-for _, stream in ipairs(redis.call('SMEMBERS', KEYS[1])) do add(stream) end
-return total
 """
 
 # KEYS: the classes' active sets (highest class first), base stream, doorbell
@@ -256,7 +289,6 @@ class FairQueue:
         self.base_stream = keys.requests_stream(model)
         self._enqueue = client.register_script(_ENQUEUE)
         self._pull = client.register_script(_PULL)
-        self._num_waiting = client.register_script(_NUM_WAITING)
         self._active = [keys.active_streams(model, c) for c in PRIORITY_CLASSES]
 
     def stream(self, priority_class: str, tenant: str) -> str:
@@ -269,22 +301,76 @@ class FairQueue:
 
     async def enqueue(self, stream: str, requests: Sequence[GenerateRequest], *, request_id_key: str | None = None,
                       wire_id: str = "", ttl_s: int = 1, finish_entry_id: bytes | str = "",
-                      pipe: Any = None) -> Any:
+                      max_waiting: int = -1) -> list[bytes] | None:
         """XADD ``requests`` to ``stream`` (one of ``stream()``'s; its class's active set is
-        the one it joins) in one atomic script: all or none. With ``request_id_key``, only if that key is absent
-        (it then holds ``wire_id`` for ``ttl_s`` s); returns None when it was present.
-        ``finish_entry_id``: an entry of ``stream`` to XACK + XDEL first (failover's
-        continuation). Returns the new entry ids (``list[bytes]``), or None as above;
-        with ``pipe`` (a redis-py pipeline), the call is queued on it and the pipeline is
-        returned instead (its reply: the ids).
+        the one it joins) in one atomic script: all or none. With ``request_id_key``, only
+        if that key is absent (it then holds ``wire_id`` for ``ttl_s`` s); returns None
+        when it was present. ``finish_entry_id``: an entry of ``stream`` to XACK + XDEL
+        first (failover's continuation). ``max_waiting`` >= 0 is admission's limit: the
+        script writes nothing when the model's waiting entries (XLEN - pending over all of
+        its streams, as ``depths()``) plus ``requests`` would exceed it. Returns the new
+        entry ids, or None as above.
 
         Raises:
+            QueueFull: over ``max_waiting`` (nothing written).
             ValueError: ``stream`` is not a stream of a known class of this model.
             redis.exceptions.RedisError, OSError: Redis unreachable or refusing the write.
         """
+        keys, args = self._enqueue_call(stream, requests, request_id_key, wire_id, ttl_s, finish_entry_id,
+                                        max_waiting)
+        return enqueue_reply(await self._enqueue(keys=keys, args=args))
+
+    async def enqueue_batch(self, items: Sequence[tuple[str, GenerateRequest]],
+                            max_waiting: int = -1) -> list[list[bytes] | Exception]:
+        """Enqueue lone requests, each ``(stream, request)`` its own atomic ``enqueue``
+        script, in one non-transactional pipeline: one round trip. Returns, per item, its
+        entry ids or its own error (``QueueFull``, a ``ResponseError`` such as OOM).
+
+        redis-py sends ``SCRIPT EXISTS`` before every pipeline that runs a registered
+        script, a second round trip; this pipeline calls EVALSHA itself instead. A script
+        Redis does not hold (a restart, ``SCRIPT FLUSH``) fails with NOSCRIPT having done
+        nothing, and those items go again once after ``SCRIPT LOAD``.
+
+        Raises:
+            ValueError: as ``enqueue``.
+            redis.exceptions.RedisError, OSError: Redis unreachable (nothing can be said of
+                which items were written).
+        """
+        calls = [self._enqueue_call(stream, [request], None, "", 1, "", max_waiting) for stream, request in items]
+        results: list[list[bytes] | Exception] = [ResponseError("not sent")] * len(items)
+        todo = list(range(len(items)))
+        for attempt in range(2):
+            async with self.client.pipeline(transaction=False) as pipe:
+                for i in todo:
+                    keys, args = calls[i]
+                    pipe.evalsha(self._enqueue.sha, len(keys), *keys, *args)
+                replies = await pipe.execute(raise_on_error=False)
+            missing = []
+            for i, reply in zip(todo, replies, strict=True):
+                if isinstance(reply, NoScriptError) and attempt == 0:
+                    missing.append(i)
+                elif isinstance(reply, Exception):
+                    results[i] = reply
+                else:
+                    try:
+                        ids = enqueue_reply(reply)
+                        assert ids is not None, "no request-id key, so never None"
+                        results[i] = ids
+                    except QueueFull as exc:
+                        results[i] = exc
+            if not missing:
+                break
+            self._enqueue.sha = await self.client.script_load(_ENQUEUE)
+            todo = missing
+        return results
+
+    def _enqueue_call(self, stream: str, requests: Sequence[GenerateRequest], request_id_key: str | None,
+                      wire_id: str, ttl_s: int, finish_entry_id: bytes | str,
+                      max_waiting: int) -> tuple[list[str], list[Any]]:
+        """KEYS and ARGV of one ``_ENQUEUE`` call (``enqueue``'s arguments)."""
         priority_class, tenant = stream_class_tenant(self.keys, self.model, stream)
         keys = [stream, self.active_set(priority_class), self.keys.model_streams(self.model),
-                self.keys.doorbell(self.model)]
+                self.keys.doorbell(self.model), self.base_stream]
         if request_id_key is not None:
             keys.append(request_id_key)
         # A class above the lowest is announced on the arrivals channel, with its tenant: a
@@ -293,13 +379,10 @@ class FairQueue:
         rank = class_rank(priority_class)
         arrivals = self.keys.arrivals_channel(self.model) if rank < len(PRIORITY_CLASSES) - 1 else ""
         args: list[Any] = [CONSUMER_GROUP, STREAM_FIELD, COST_FIELD, finish_entry_id, max(1, ttl_s), wire_id,
-                           DOORBELL_MAX_RINGS, JOIN_OFFSET, arrivals, arrival_message(rank, tenant)]
+                           DOORBELL_MAX_RINGS, JOIN_OFFSET, arrivals, arrival_message(rank, tenant), max_waiting]
         for r in requests:
             args += [entry_cost(r), protocol.encode(r)]
-        if pipe is not None:
-            return await self._enqueue(keys=keys, args=args, client=pipe)
-        ids = await self._enqueue(keys=keys, args=args)
-        return None if ids is None else list(ids)
+        return keys, args
 
     async def pull(self, consumer: str, count: int | Sequence[int], extra: Sequence[int] = (),
                    excluded: Collection[str] = ()) -> list[tuple[str, bytes, dict[bytes, bytes]]]:
@@ -368,10 +451,3 @@ class FairQueue:
                 raise summary
             out[s] = QueueDepth(length=int(length), num_pending=parse_pending_summary(summary), has_group=True)
         return out
-
-    async def num_waiting(self) -> int:
-        """Entries no worker has taken yet, over every stream of the model (admission's
-        depth): ``depths()``'s sum, in one script call instead of a set read and then a
-        pipeline (one round trip, where a burst of admissions waits on it)."""
-        return int(await self._num_waiting(keys=[self.keys.model_streams(self.model), self.base_stream],
-                                           args=[CONSUMER_GROUP]))

@@ -12,7 +12,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from shared import protocol
-from shared.fair_queue import JOIN_OFFSET, FairQueue, entry_cost
+from shared.fair_queue import JOIN_OFFSET, FairQueue, QueueFull, entry_cost
 from shared.keys import CONSUMER_GROUP, STREAM_FIELD, Keys
 from shared.protocol import ErrorMessage, GenerateRequest, TokenBatch
 from shared.queues import snapshot
@@ -248,10 +248,11 @@ async def test_snapshot_shows_each_class_and_tenant(client: aioredis.Redis) -> N
     assert by_tenant[("batch", "bob")].virtual_tokens == 0.0  # joined, not yet charged
 
 
-async def test_the_admission_depth_is_one_script_call_and_equals_the_streams_sum(client: aioredis.Redis) -> None:
-    """``num_waiting`` (one round trip: the script, no set read) sums what ``depths()``
-    reads stream by stream: entries taken by a worker do not count, a stream whose group
-    does not exist yet counts whole, and a hand-made entry on the base stream counts."""
+async def test_the_enqueue_scripts_admission_counts_what_depths_sums(client: aioredis.Redis) -> None:
+    """With ``max_waiting``, the enqueue script counts what ``depths()`` reads stream by
+    stream: entries taken by a worker do not count, a stream whose group does not exist
+    yet counts whole, and a hand-made entry on the base stream counts. Refused, it writes
+    nothing and says how many wait."""
     keys = _keys()
     queue = FairQueue(client, keys, MODEL)
     for i in range(3):
@@ -265,11 +266,10 @@ async def test_the_admission_depth_is_one_script_call_and_equals_the_streams_sum
     await client.xadd(queue.base_stream, {STREAM_FIELD: b"y"})
     expected = sum(d.num_waiting for d in (await queue.depths()).values())
     assert expected == 1 + 4 + 1 + 1
-    await queue.num_waiting()  # the first call also loads the script into Redis
-    before = await client.info("commandstats")
-    assert await queue.num_waiting() == expected
-    after = await client.info("commandstats")
-    calls = {name: int(after.get(name, {}).get("calls", 0)) - int(before.get(name, {}).get("calls", 0))
-             for name in ("cmdstat_smembers", "cmdstat_evalsha", "cmdstat_eval")}
-    assert calls["cmdstat_smembers"] == 1  # inside the script
-    assert calls["cmdstat_evalsha"] + calls["cmdstat_eval"] == 1
+    stream = queue.stream("default", "dave")
+    with pytest.raises(QueueFull) as info:
+        await queue.enqueue(stream, [_request("d0"), _request("d1")], max_waiting=expected + 1)
+    assert info.value.num_waiting == expected
+    assert await client.exists(stream) == 0 and stream.encode() not in await client.smembers(keys.model_streams(MODEL))
+    assert len(await queue.enqueue(stream, [_request("d0"), _request("d1")], max_waiting=expected + 2)) == 2
+    assert sum(d.num_waiting for d in (await queue.depths()).values()) == expected + 2

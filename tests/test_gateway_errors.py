@@ -47,6 +47,8 @@ def _assert_openai_error(r: httpx.Response, status: int, param: str | None = Non
     ({"model": MODEL, "prompt": "hello " * 300}, "prompt"),
     ({"model": MODEL, "prompt": ""}, "prompt"),
     ({"model": MODEL, "prompt": [999999]}, "prompt"),
+    ({"model": MODEL, "prompt": [5, -1, 7]}, "prompt"),
+    ({"model": MODEL, "prompt": [[5], [7, 999999]]}, "prompt"),
     ({"model": MODEL, "prompt": "x", "n": 17}, "n"),
     ({"model": MODEL, "prompt": "x", "logprobs": 6}, "logprobs"),
     ({"model": MODEL, "prompt": "x", "suffix": "y"}, "suffix"),
