@@ -39,12 +39,13 @@ class Enqueuer:
     A single-child request without an X-Request-Id (the common case) goes through a group
     commit: enqueue scripts that arrive while one batch is being written go out together
     in the next non-transactional pipeline, one round trip on one connection
-    (``FairQueue.enqueue_batch``). Under a burst of 1,000 requests,
-    one XADD each had every request take its own pooled connection (the pool's lock and
-    1,000 connection handshakes) and a round trip; with the group commit and a shared
-    depth read the gateway's CPU for such a burst fell from 1.40 to 0.85 s (2-core CPU,
-    docs/benchmarks.md, "Where the wall time goes, and two changes"). Each script is atomic
-    on its own, so batching them changes nothing about what a failure leaves.
+    (``FairQueue.enqueue_batch``). Under a burst of 1,000 requests, one XADD each had
+    every request take its own pooled connection (the pool's lock and 1,000 connection
+    handshakes) and a round trip; with the group commit (and a depth read shared then,
+    before admission moved into the script) the gateway's CPU for such a burst fell from
+    1.40 to 0.85 s (2-core CPU, docs/benchmarks.md, "Where the wall time goes, and two
+    changes"). Each script is atomic on its own, so batching them changes nothing about
+    what a failure leaves.
     """
 
     def __init__(self, queue: FairQueue, max_queue_len: int) -> None:

@@ -20,9 +20,9 @@ Two Lua scripts do every change, so each is atomic however many gateways and wor
   with their cost, join the tenant to its class's active set, ring the doorbell. A
   tenant that (re)joins starts at the smallest active counter of its class (VTC's lift),
   rounded up, less half a token (``JOIN_OFFSET``): it is served before the tenant holding
-  that counter, not after it on a tie broken by stream name. Idling banks no credit: a tenant that left (nothing
-  waiting) was the one with the smallest counter when it was last served, so forgetting
-  its counter gains it at most one request's cost. A request of a class above the lowest
+  that counter, not after it on a tie broken by stream name. Idling banks no credit: a
+  tenant that left (nothing waiting) was the one with the smallest counter when it was
+  last served, so forgetting its counter gains it at most one request's cost. A request of a class above the lowest
   is also announced on the model's arrivals channel (``arrival_message``: its class rank
   and tenant), for busy workers (``LLMEngine.note_arrival``).
 - ``_PULL`` (worker): take the highest non-empty class (interactive, then default, then
