@@ -93,5 +93,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error", exc_info=exc)
-        return OpenAIError(500, f"internal error: {type(exc).__name__}").response()
+        return internal_error(exc)
+
+
+def internal_error(exc: Exception) -> JSONResponse:
+    """The 500 answer to an exception no handler expected; the exception is logged."""
+    log.exception("unhandled error", exc_info=exc)
+    return OpenAIError(500, f"internal error: {type(exc).__name__}").response()

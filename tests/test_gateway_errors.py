@@ -76,6 +76,36 @@ async def test_fastapi_422_becomes_400(harness):
     _assert_openai_error(r, 400, "n")
 
 
+async def test_generation_posts_skip_fastapis_stack_and_still_answer_errors(harness, monkeypatch):
+    """``GatewayApp.serve_directly``: a POST to /v1/completions or /v1/chat/completions
+    reaches its endpoint without FastAPI's middleware stack and router; other requests go
+    through them. An unexpected exception is still a logged OpenAI-shaped 500."""
+    import fastapi
+
+    import gateway.app
+
+    stack_calls: list[str] = []
+    stack = fastapi.FastAPI.__call__
+
+    async def counted(self, scope, receive, send):
+        if scope["type"] == "http":
+            stack_calls.append(scope["path"])
+        await stack(self, scope, receive, send)
+    monkeypatch.setattr(fastapi.FastAPI, "__call__", counted)
+    _assert_openai_error(await harness.http.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404)
+    _assert_openai_error(await harness.http.post("/v1/chat/completions", json={"model": MODEL, "messages": "hi"}), 400)
+    assert stack_calls == []
+    assert (await harness.http.get("/v1/models")).status_code == 200
+    assert (await harness.http.get("/v1/completions")).status_code == 405  # other methods: the router's answer
+    assert stack_calls == ["/v1/models", "/v1/completions"]
+
+    async def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+    monkeypatch.setattr(gateway.app, "handle_generate", broken)
+    err = _assert_openai_error(await harness.http.post("/v1/completions", json={"model": MODEL, "prompt": "x"}), 500)
+    assert "RuntimeError" in err["message"]
+
+
 async def test_unknown_model_is_404(harness):
     r = await harness.http.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"})
     assert _assert_openai_error(r, 404, "model")["code"] == "model_not_found"
