@@ -63,17 +63,27 @@ if triton is not None:
     from kernels.fp8_quant import store_quantized_groups
 
     @triton.jit
-    def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o,
-                             stride_ro, hidden, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        offs = tl.arange(0, BLOCK)
-        mask = offs < hidden
+    def _add_and_rstd(x_ptr, res_ptr, res_out_ptr, row, offs, mask, stride_x, stride_r, stride_ro, hidden, eps,
+                      HAS_RESIDUAL: tl.constexpr):
+        """One row's ``x (+ residual)``, stored to ``res_out`` when there is a residual, in
+        the input dtype and in float32, and its ``1 / rms``: the math both norm kernels share
+        (one reduction, so the fused FP8 kernel's rstd is the plain kernel's, bit for bit)."""
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
         if HAS_RESIDUAL:
             x = x + tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
             tl.store(res_out_ptr + row * stride_ro + offs, x, mask=mask)
         xf = x.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / hidden + eps)
+        return x, xf, rstd
+
+    @triton.jit
+    def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o,
+                             stride_ro, hidden, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < hidden
+        _, xf, rstd = _add_and_rstd(x_ptr, res_ptr, res_out_ptr, row, offs, mask, stride_x, stride_r, stride_ro,
+                                   hidden, eps, HAS_RESIDUAL)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * stride_o + offs, (xf * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -83,19 +93,15 @@ if triton is not None:
                                  stride_r, stride_ro, stride_q, stride_sr, stride_sg, hidden, eps,
                                  HAS_RESIDUAL: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
                                  QMAX: tl.constexpr, AMIN: tl.constexpr):
-        # ``_add_rms_norm_kernel``'s math on the same 1-D row (same reduction, so the same
-        # rstd), its output rounded to the input dtype, then viewed as [GROUPS, GROUP] and
-        # quantized per group as ``fp8_quant.quantize_groups`` does. A row at or past
-        # ``rows`` is padding: zeros in, a zero row and the minimum scale out.
+        # ``_add_rms_norm_kernel``'s math on the same 1-D row (``_add_and_rstd``), its
+        # output rounded to the input dtype, then viewed as [GROUPS, GROUP] and quantized per
+        # group as ``fp8_quant.quantize_groups`` does. A row at or past ``rows`` is padding:
+        # zeros in, a zero row and the minimum scale out.
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, GROUPS * GROUP)
         mask = (offs < hidden) & (row < rows)
-        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-        if HAS_RESIDUAL:
-            x = x + tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
-            tl.store(res_out_ptr + row * stride_ro + offs, x, mask=mask)
-        xf = x.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / hidden + eps)
+        x, xf, rstd = _add_and_rstd(x_ptr, res_ptr, res_out_ptr, row, offs, mask, stride_x, stride_r, stride_ro,
+                                    hidden, eps, HAS_RESIDUAL)
         w = tl.load(w_ptr + offs, mask=offs < hidden, other=0.0).to(tl.float32)
         y = tl.reshape((xf * rstd * w).to(x.dtype).to(tl.float32), (GROUPS, GROUP))
         offs_g = tl.arange(0, GROUPS)
