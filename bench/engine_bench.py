@@ -380,10 +380,19 @@ def main() -> None:
                     help="KV cache element type (fp8: float8 e4m3)")
     ap.add_argument("--quantization", default="none", choices=("none", "fp8"),
                     help="linear weights in FP8 (worker/models/fp8.py)")
+    ap.add_argument("--without-fused", default="",
+                    help="comma list of the Triton backend's fused ops to leave off in every section "
+                         "(e.g. fp8_out), for an A/B of the whole engine")
     ap.add_argument("--no-fused-ab", dest="fused_ab", action="store_false",
                     help="skip the fused-ops A/B of the decode section (5 recaptures)")
     args = ap.parse_args()
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    if args.without_fused:
+        from worker.models.attention import TritonAttentionBackend
+
+        # Before the engine is built, so that every graph is captured without them.
+        dropped = {op.strip() for op in args.without_fused.split(",")}
+        TritonAttentionBackend.ALL_FUSED_OPS = TritonAttentionBackend.ALL_FUSED_OPS - dropped
     bench = Bench(args)
     bench.hw()  # every section needs the rates
     if any(s in sections for s in ("decode", "prefill", "serve", "prefix", "profile")):

@@ -30,9 +30,13 @@ MAX_TRITON_COLS = 32768
 #: Side of a weight block and length of an activation group sharing one scale in the
 #: block layout (DeepSeek-V3's and vLLM's ``weight_block_size [128, 128]``).
 FP8_BLOCK = 128
-#: Groups one program of ``quantize_groups``' kernel quantizes (a power of two): 2,048
-#: columns of a row at the default group size, 16 elements a thread with 4 warps.
-GROUPS_PER_PROGRAM = 16
+#: Groups one program of a group kernel quantizes (a power of two), and its warps: 1,024
+#: columns of a row at the default group size, 8 elements (16 bytes of bfloat16) a thread.
+#: H100, ``silu_and_mul_fp8`` at 4,096 x 18,944: 135.8 us (95% of the copy rate) against
+#: 145.3 with 16 groups; 4 groups and 2 warps 133.3 (bench/fp8_elementwise_bench.py
+#: ``--sweep``, docs/benchmarks.md, "FP8 weights").
+GROUPS_PER_PROGRAM = 8
+GROUP_KERNEL_WARPS = 4
 
 
 def check_quantize_rows_args(x: torch.Tensor) -> None:
@@ -99,12 +103,13 @@ def group_outputs(rows: int, cols: int, group: int, pad_rows_to: int, scales_col
     return q, torch.empty(out_rows, num_groups, dtype=torch.float32, device=device)
 
 
-def group_grid(out_rows: int, num_groups: int) -> tuple[tuple[int, int], int]:
-    """``(grid, GROUPS)`` of a group kernel writing ``out_rows`` rows of ``num_groups``
-    groups (both > 0; Triton only): one program per row and ``GROUPS`` groups
-    (``group_tile``), at most ``GROUPS_PER_PROGRAM``."""
+def group_grid(out_rows: int, num_groups: int) -> tuple[tuple[int, int], int, int]:
+    """``(grid, GROUPS, num_warps)`` of a group kernel writing ``out_rows`` rows of
+    ``num_groups`` groups (both > 0; Triton only): one program per row and ``GROUPS``
+    groups (``group_tile``), at most ``GROUPS_PER_PROGRAM``, with ``GROUP_KERNEL_WARPS``
+    warps (both read at each call, so that bench/fp8_elementwise_bench.py can sweep them)."""
     groups = min(GROUPS_PER_PROGRAM, triton.next_power_of_2(num_groups))
-    return (out_rows, triton.cdiv(num_groups, groups)), groups
+    return (out_rows, triton.cdiv(num_groups, groups)), groups, GROUP_KERNEL_WARPS
 
 
 def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -217,8 +222,8 @@ def quantize_groups(x: torch.Tensor, group: int = FP8_BLOCK, pad_rows_to: int = 
     num_groups = scale.shape[1]
     if q.shape[0] == 0 or num_groups == 0:
         return q, scale
-    grid, groups = group_grid(q.shape[0], num_groups)
+    grid, groups, warps = group_grid(q.shape[0], num_groups)
     _quantize_groups_kernel[grid](
         x, q, scale, rows, num_groups, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1), GROUP=group,
-        GROUPS=groups, QMAX=FP8_MAX, AMIN=MIN_AMAX, num_warps=4)
+        GROUPS=groups, QMAX=FP8_MAX, AMIN=MIN_AMAX, num_warps=warps)
     return q, scale

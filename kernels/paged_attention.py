@@ -29,6 +29,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_AMAX, group_outputs, quantize_groups_ref
 from kernels.kv_cache_write import FP8_KV_DTYPE
 
 
@@ -265,6 +266,8 @@ _MIN_KEYS_PER_SPLIT = 128  # below this a split's fixed cost outweighs the paral
 _MAX_SPLITS = 64
 
 if triton is not None:
+    _FP8_MAX = tl.constexpr(FP8_MAX)
+    _MIN_AMAX = tl.constexpr(MIN_AMAX)
 
     @triton.jit
     def _find_seq_idx(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q: tl.constexpr):
@@ -323,18 +326,38 @@ if triton is not None:
         return acc, m_new, l_i
 
     @triton.jit
+    def _store_out(o, tok, head, offs_d, row_valid, d_valid, out_ptr, out_scale_ptr, stride_ot, stride_oh,
+                   stride_st, stride_sh, OUT_DTYPE: tl.constexpr, QUANT_OUT: tl.constexpr):
+        """Store the float32 output tile ``o [rows, HEAD_DIM_P]`` (row r: token ``tok[r]``,
+        head ``head[r]``): in ``OUT_DTYPE``, or with ``QUANT_OUT`` rounded to ``OUT_DTYPE``
+        first and then quantized as one 1 x HEAD_DIM group per row, exactly as
+        ``kernels.fp8_quant.quantize_groups`` quantizes that rounded output (``amax / 448``,
+        at least ``MIN_AMAX / 448``; round to nearest), its scale at ``out_scale_ptr +
+        tok * stride_st + head * stride_sh``."""
+        ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        mask = row_valid[:, None] & d_valid[None, :]
+        if QUANT_OUT:
+            y = o.to(OUT_DTYPE).to(tl.float32)
+            s = tl.maximum(tl.max(tl.abs(y), axis=1), _MIN_AMAX) / _FP8_MAX
+            tl.store(out_scale_ptr + tok * stride_st + head * stride_sh, s, mask=row_valid)
+            y = tl.clamp(tl.math.div_rn(y, s[:, None]), -_FP8_MAX, _FP8_MAX)
+            tl.store(ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _paged_attn_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, out_scale_ptr,
         part_out_ptr, part_m_ptr, part_l_ptr,
         block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
         qk_scale, v_scale, num_seqs, num_heads,
-        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_st, stride_sh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         stride_bt_s, stride_bt_b,
         QPK: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
         TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        SEQ_FILTER: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
+        SEQ_FILTER: tl.constexpr, SLIDING_WINDOW: tl.constexpr, QUANT_OUT: tl.constexpr,
     ):
         # Program = (q-block of BLOCK_Q tokens x all QPK query heads of one KV head, split).
         # Row m of the tile is token m // QPK, query head kv_head * QPK + m % QPK (GQA
@@ -346,13 +369,17 @@ if triton is not None:
         # block-table entries are never read).
         # An fp8 cache is converted to q's dtype on load; its K scale is folded into
         # qk_scale by the wrapper and v_scale multiplies the accumulator once at the end.
+        # QUANT_OUT: each output row (one token's head) is written as one E4M3 group with
+        # its float32 scale (``_store_out``), for a block-scaled FP8 o_proj.
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
         if SEQ_FILTER == 2:
             seq_idx = tl.program_id(0)
             q_block_local = 0
         else:
-            q_block_id = tl.program_id(0)
+            # Last q-blocks first: they see the most keys, so a launch ends on light
+            # programs instead of a tail of the heaviest (FlashAttention-2's causal order).
+            q_block_id = tl.num_programs(0) - 1 - tl.program_id(0)
             seq_idx = _find_seq_idx(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q)
         q_start = tl.load(query_start_loc_ptr + seq_idx).to(tl.int32)
         q_len = tl.load(query_start_loc_ptr + seq_idx + 1).to(tl.int32) - q_start
@@ -416,8 +443,8 @@ if triton is not None:
         acc = acc * v_scale  # 1.0 unless the cache is fp8
         if NUM_SPLITS == 1:
             o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-            tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                     o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
+            _store_out(o, tok, head, offs_d, row_valid, d_valid, out_ptr, out_scale_ptr, stride_ot, stride_oh,
+                       stride_st, stride_sh, q.dtype, QUANT_OUT)
         else:
             # Partials [num_tokens, num_heads, NUM_SPLITS(, HEAD_DIM_P)], m in log2 units.
             part = (tok * num_heads + head) * NUM_SPLITS + split
@@ -427,11 +454,12 @@ if triton is not None:
 
     @triton.jit
     def _reduce_splits_kernel(
-        out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, query_start_loc_ptr,
-        num_seqs, num_heads, stride_ot, stride_oh,
+        q_ptr, out_ptr, out_scale_ptr, part_out_ptr, part_m_ptr, part_l_ptr, query_start_loc_ptr,
+        num_seqs, num_heads, stride_ot, stride_oh, stride_st, stride_sh,
         HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, QUANT_OUT: tl.constexpr,
     ):
+        # q_ptr: read for its dtype only (the output's before QUANT_OUT quantizes it).
         tok = tl.program_id(0)
         head = tl.program_id(1)
         # Rows past the last sequence's queries are padding: no partials, write nothing.
@@ -448,8 +476,10 @@ if triton is not None:
         l_tot = tl.sum(w * l, 0)
         acc = tl.load(part_out_ptr + base[:, None] * HEAD_DIM_P + offs_d[None, :], mask=s_valid[:, None], other=0.0)
         o = tl.sum(acc * w[:, None], 0) / tl.where(l_tot == 0.0, 1.0, l_tot)
-        tl.store(out_ptr + tok.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
-                 o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+        # As a one-row tile, so that the store is the main kernel's.
+        _store_out(o[None, :], tok.to(tl.int64) + tl.zeros([1], tl.int64), head + tl.zeros([1], tl.int32), offs_d,
+                   tl.full([1], True, tl.int1), offs_d < HEAD_DIM, out_ptr, out_scale_ptr, stride_ot, stride_oh,
+                   stride_st, stride_sh, q_ptr.dtype.element_ty, QUANT_OUT)
 
 
 def _next_pow2(n: int) -> int:
@@ -542,19 +572,71 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if triton is None or not q.is_cuda:
         return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out,
                                    sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale)
-    if k_cache.dtype != FP8_KV_DTYPE:
-        k_scale = v_scale = 1.0
     return _paged_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out,
                                    max_query_len, max_seq_len, sliding_window or 0, k_scale, v_scale)
+
+
+def quantized_output_fits(q: torch.Tensor) -> bool:
+    """Whether ``paged_attention_fp8_out`` runs its Triton path for ``q [T, num_heads,
+    head_dim]``: CUDA, Triton, and ``head_dim`` a power of two of at least 16 (each head
+    row is then one whole quantization group)."""
+    head_dim = q.shape[-1]
+    return triton is not None and q.is_cuda and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def paged_attention_fp8_out(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                            seq_lens: torch.Tensor, scale: float, *, max_query_len: int, max_seq_len: int,
+                            pad_rows_to: int = 1, sliding_window: int | None = None,
+                            k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``paged_attention`` whose output comes quantized for a block-scaled FP8 product
+    (``o_proj``): each token's head row, ``head_dim`` values, is one E4M3 group with its
+    own float32 scale, written by the attention launches themselves (no bfloat16 output,
+    no quantizer launch). Bit for bit what ``kernels.fp8_quant.quantize_groups`` gives for
+    the ``[T, num_heads * head_dim]`` output in ``q``'s dtype with group ``head_dim``,
+    ``pad_rows_to`` and column-major scales; where ``quantized_output_fits`` is false, that
+    is how it is computed (the reference, then ``quantize_groups_ref``).
+
+    Arguments as ``paged_attention`` (keyword-only past ``scale``); ``pad_rows_to``: the
+    row multiple of the outputs (``torch._scaled_mm`` takes multiples of 16).
+
+    Returns:
+        ``(out [T', num_heads * head_dim] float8_e4m3fn, scale [T', num_heads] float32)``,
+        the scale a column-major view (strides ``(1, T')``), ``T'`` = T padded up to a
+        multiple of ``pad_rows_to``. On CUDA, rows past ``query_start_loc[-1]`` (padding
+        tokens, padding rows) are left unwritten, as ``paged_attention`` leaves them.
+    Raises:
+        ValueError: as ``paged_attention``.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    if not quantized_output_fits(q):
+        o = paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                            max_query_len=max_query_len, max_seq_len=max_seq_len, sliding_window=sliding_window,
+                            k_scale=k_scale, v_scale=v_scale)
+        return quantize_groups_ref(o.reshape(num_tokens, num_heads * head_dim), head_dim, pad_rows_to, True)
+    check_attention_args(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
+    check_sliding_window(sliding_window)
+    out, out_scale = group_outputs(num_tokens, num_heads * head_dim, head_dim, pad_rows_to, True, q.device)
+    _paged_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                            out[:num_tokens].view(num_tokens, num_heads, head_dim), max_query_len, max_seq_len,
+                            sliding_window or 0, k_scale, v_scale, out_scale=out_scale[:num_tokens])
+    return out, out_scale
 
 
 def _paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                             seq_lens: torch.Tensor, scale: float, out: torch.Tensor,
                             max_query_len: int, max_seq_len: int, sliding_window: int = 0,
-                            k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-    if out.shape != q.shape or out.dtype != q.dtype:
-        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
+                            k_scale: float = 1.0, v_scale: float = 1.0,
+                            out_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton launches of ``paged_attention``; with ``out_scale`` (``[T, num_heads]``
+    float32) ``out`` is E4M3 and each of its head rows is quantized (``_store_out``). The
+    K/V scales apply to an fp8 cache only."""
+    if k_cache.dtype != FP8_KV_DTYPE:
+        k_scale = v_scale = 1.0
+    out_dtype = q.dtype if out_scale is None else FP8_DTYPE
+    if out.shape != q.shape or out.dtype != out_dtype:
+        raise ValueError(f"out must be {tuple(q.shape)} {out_dtype}, got {tuple(out.shape)} {out.dtype}")
     for name, t in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in head_dim, strides {t.stride()}")
@@ -582,15 +664,19 @@ def _paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     # A takes sequences with query_len > 1, launch B those with query_len == 1. Every
     # sequence lands in exactly one of them whatever the hints say.
     mixed = max_query_len > 1 and num_seqs > 1
-    args = (q, k_cache, v_cache, out, part_out, part_m, part_l,
+    quant = out_scale is not None
+    scales = out_scale if quant else out  # unused without QUANT_OUT
+    scale_strides = (out_scale.stride(0), out_scale.stride(1)) if quant else (0, 0)
+    args = (q, k_cache, v_cache, out, scales, part_out, part_m, part_l,
             block_tables, query_start_loc, seq_lens,
             scale * k_scale * _LOG2E, float(v_scale), num_seqs, num_heads,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *scale_strides,
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_tables.stride(0), block_tables.stride(1))
     common = {"QPK": qpk, "HEAD_DIM": head_dim, "HEAD_DIM_P": head_dim_p, "BLOCK_SIZE": block_size,
-              "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32", "SLIDING_WINDOW": sliding_window}
+              "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32", "SLIDING_WINDOW": sliding_window,
+              "QUANT_OUT": quant}
     grid = (num_tokens // cfg["BLOCK_Q"] + num_seqs, num_kv_heads, splits)
     _paged_attn_kernel[grid](
         *args, **common, BLOCK_M=cfg["BLOCK_M"], BLOCK_Q=cfg["BLOCK_Q"], TILE=cfg["TILE"], NUM_SPLITS=splits,
@@ -604,9 +690,9 @@ def _paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         )
     if splits > 1:
         _reduce_splits_kernel[(num_tokens, num_heads)](
-            out, part_out, part_m, part_l, query_start_loc, num_seqs, num_heads,
-            out.stride(0), out.stride(1),
+            q, out, scales, part_out, part_m, part_l, query_start_loc, num_seqs, num_heads,
+            out.stride(0), out.stride(1), *scale_strides,
             HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, NUM_SPLITS=splits, SPLITS_P=_next_pow2(splits),
-            num_warps=4,
+            QUANT_OUT=quant, num_warps=4,
         )
     return out

@@ -112,8 +112,8 @@ def silu_and_mul_fp8(x: torch.Tensor, pad_rows_to: int = 1) -> tuple[torch.Tenso
     num_groups = scale.shape[1]
     if q.shape[0] == 0 or num_groups == 0:
         return q, scale
-    grid, groups = group_grid(q.shape[0], num_groups)
+    grid, groups, warps = group_grid(q.shape[0], num_groups)
     _silu_and_mul_fp8_kernel[grid](
         x, q, scale, rows, inter, num_groups, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
-        GROUP=FP8_BLOCK, GROUPS=groups, QMAX=FP8_MAX, AMIN=MIN_AMAX, num_warps=4)
+        GROUP=FP8_BLOCK, GROUPS=groups, QMAX=FP8_MAX, AMIN=MIN_AMAX, num_warps=warps)
     return q, scale

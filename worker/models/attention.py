@@ -165,15 +165,17 @@ class TritonAttentionBackend:
     #: Fused Triton ops the model uses with this backend (see ``worker/models/llama.py``):
     #: "rmsnorm" (residual add + RMSNorm), "rotary", "silu_mul". An instance attribute
     #: so that benchmarks can compare subsets (recapture CUDA graphs after a change).
-    ALL_FUSED_OPS = frozenset({"rmsnorm", "rotary", "silu_mul"})
+    #: "fp8_out": the attention writes its output quantized for an FP8 ``o_proj``
+    #: (``attend_fp8_out``).
+    ALL_FUSED_OPS = frozenset({"rmsnorm", "rotary", "silu_mul", "fp8_out"})
 
     def __init__(self, fused_ops: frozenset[str] | None = None) -> None:
         self.fused_ops = self.ALL_FUSED_OPS if fused_ops is None else frozenset(fused_ops)
+        import kernels.paged_attention as attention_kernels
         from kernels.kv_cache_write import kv_cache_write
-        from kernels.paged_attention import paged_attention
 
         self._write = kv_cache_write
-        self._attend = paged_attention
+        self._kernels = attention_kernels
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -181,9 +183,25 @@ class TritonAttentionBackend:
         """Same contract as ``TorchAttentionBackend.__call__``."""
         k_scale, v_scale, k_bias = _encoding(kv_quant)
         self._write(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale, k_bias)
-        return self._attend(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                            scale, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
-                            sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale)
+        return self._kernels.paged_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
+            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, sliding_window=sliding_window,
+            k_scale=k_scale, v_scale=v_scale)
+
+    def attend_fp8_out(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                       scale: float, pad_rows_to: int, sliding_window: int | None = None,
+                       kv_quant: KVQuant | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``__call__`` with the output quantized for a block-scaled FP8 ``o_proj``
+        (``kernels.paged_attention.paged_attention_fp8_out``, one E4M3 group per head row,
+        rows padded to a multiple of ``pad_rows_to``): ``(out [T', num_heads * head_dim]
+        float8_e4m3fn, scale [T', num_heads] float32, column-major)``."""
+        k_scale, v_scale, k_bias = _encoding(kv_quant)
+        self._write(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale, k_bias)
+        return self._kernels.paged_attention_fp8_out(
+            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
+            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, pad_rows_to=pad_rows_to,
+            sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale)
 
 
 def _encoding(kv_quant: KVQuant | None) -> tuple[float, float, torch.Tensor | None]:

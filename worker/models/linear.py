@@ -205,14 +205,28 @@ class Linear(nn.Linear):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.fp8_reference = True
 
+    def takes_quantized_input(self, rows: int) -> bool:
+        """Whether a product of ``rows`` rows runs on 1x128-group-quantized input
+        (``fp8.takes_group_quantized_input``): a caller that can quantize the input as it
+        computes it then calls ``forward_quantized``, with rows padded to a multiple of
+        ``fp8.block_input_padding(rows)``."""
+        return self.is_fp8 and takes_group_quantized_input(rows, self.weight, self.weight_scale)
+
+    def forward_quantized(self, q: torch.Tensor, scale: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        """This product on input already quantized per 1x128 group (``q [R', in_features]``
+        E4M3, ``scale [R', in_features / 128]`` float32 column-major, ``R' >= rows``; as
+        ``fp8.block_product``): ``[rows, out_features]`` in ``dtype``. Only where
+        ``takes_quantized_input(rows)``."""
+        return block_product(q, scale, self.weight, self.weight_scale, rows, self.bias, dtype)
+
     def forward_silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``self(silu_and_mul(gate_up))`` (``gate_up [T, 2 * in_features]``); a product that
         ``fp8_linear`` would run on group-quantized input gets it from
         ``silu_and_mul_fp8``, which quantizes as it computes (no bfloat16 intermediate)."""
-        if self.is_fp8 and takes_group_quantized_input(gate_up.shape[0], self.weight, self.weight_scale):
-            q, scale = silu_and_mul_fp8(gate_up, pad_rows_to=block_input_padding(gate_up.shape[0]))
-            return block_product(q, scale, self.weight, self.weight_scale, gate_up.shape[0], self.bias,
-                                 gate_up.dtype)
+        rows = gate_up.shape[0]
+        if self.takes_quantized_input(rows):
+            q, scale = silu_and_mul_fp8(gate_up, pad_rows_to=block_input_padding(rows))
+            return self.forward_quantized(q, scale, rows, gate_up.dtype)
         return self(silu_and_mul(gate_up))
 
     def forward_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
@@ -224,11 +238,10 @@ class Linear(nn.Linear):
         computes it (no bfloat16 intermediate, no quantizer launch); otherwise the norm
         runs fused with the add (``norm(x, residual, fused=True)``) and then this product."""
         rows = x.shape[0]
-        if (self.is_fp8 and norm.offset == 0.0 and x.dim() == 2
-                and takes_group_quantized_input(rows, self.weight, self.weight_scale)):
+        if norm.offset == 0.0 and x.dim() == 2 and self.takes_quantized_input(rows):
             q, scale, residual = fused_add_rms_norm_fp8(x, residual, norm.weight, norm.eps,
                                                         pad_rows_to=block_input_padding(rows))
-            return block_product(q, scale, self.weight, self.weight_scale, rows, self.bias, x.dtype), residual
+            return self.forward_quantized(q, scale, rows, x.dtype), residual
         h, residual = norm(x, residual, fused=True)
         return self(h), residual
 

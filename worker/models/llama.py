@@ -39,6 +39,7 @@ from kernels.rotary import apply_rotary, rotary_rows
 from kernels.rotary import rotary as rotary_fused
 from worker.models.attention import AttentionBackend, AttentionMetadata, KVQuant
 from worker.models.config import ModelConfig
+from worker.models.fp8 import FP8_BLOCK, block_input_padding
 from worker.models.linear import (
     Linear,
     PackedWeight,
@@ -182,12 +183,17 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm.norm(q), self.k_norm.norm(k)
         q, k = rotary(positions, q, k, "rotary" in backend.fused_ops, rope)
-        fp8 = {} if self.kv_quant is None else {"kv_quant": self.kv_quant}
-        if self.window is None:
-            o = backend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, **fp8)
-        else:
-            o = backend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,  # type: ignore[call-arg]
-                        sliding_window=self.window, **fp8)
+        options: dict = {} if self.kv_quant is None else {"kv_quant": self.kv_quant}
+        if self.window is not None:
+            options["sliding_window"] = self.window
+        if ("fp8_out" in backend.fused_ops and self.head_dim == FP8_BLOCK and q.is_cuda
+                and self.o_proj.takes_quantized_input(t)):
+            # Each head row of the output is one 1x128 group of o_proj's block-scaled input:
+            # the attention writes it quantized (no bfloat16 output, no quantizer launch).
+            o8, o_scale = backend.attend_fp8_out(q, k, v, kv_cache[0], kv_cache[1], meta,  # type: ignore[union-attr]
+                                                 self.scale, block_input_padding(t), **options)
+            return self.o_proj.forward_quantized(o8, o_scale, t, q.dtype)
+        o = backend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, **options)  # type: ignore[arg-type]
         return self.o_proj(o.reshape(t, self.q_size))
 
 

@@ -159,6 +159,10 @@ class RowParallelLinear(Linear):
         dist.all_reduce(out, group=self.group)
         return out
 
+    def takes_quantized_input(self, rows: int) -> bool:
+        """Never: the all-reduce lives in ``forward``, so every product goes through it."""
+        return False
+
 
 class VocabParallelEmbedding(nn.Embedding):
     """Embedding of rows ``[vocab_start, vocab_end)`` only: other ids look up zeros, and
