@@ -3,7 +3,7 @@ copy rate: the SwiGLU that quantizes for ``down_proj`` (``silu_and_mul_fp8``) an
 residual add + RMSNorm that quantizes for ``qkv_proj`` / ``gate_up_proj``
 (``fused_add_rms_norm_fp8``), on one prefill step of ``--rows`` tokens of ``--model``'s
 dims. Each figure is a CUDA-graph replay of 20 calls over inputs larger than L2 (µs per
-call); "of copy" is bytes read + written over the time, over the copy rate measured in
+call; ``bench.attn_sweep.time_us``); "of copy" is bytes read + written over the time, over the copy rate measured in
 the same run.
 
 ``--sweep`` times launch variants (the group kernels' ``GROUPS_PER_PROGRAM`` x
@@ -24,55 +24,43 @@ import os
 import sys
 from collections.abc import Callable
 from datetime import date
+from typing import Any
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kernels.fused_add_rms_norm as norm_module
+from bench.attn_sweep import time_us
 from bench.kernel_bench import copy_bandwidth_gbs
 from kernels import fp8_quant
 from kernels.fused_add_rms_norm import fused_add_rms_norm, fused_add_rms_norm_fp8
 from kernels.silu_and_mul import silu_and_mul, silu_and_mul_fp8
 from shared.model_source import DUMMY_CONFIGS
 
-REPS = 20
+
+def alternating(fn: Callable[[Any], object], inputs: list[Any]) -> Callable[[], object]:
+    """``fn`` on each of ``inputs`` in turn, one per call (a graph of several calls then
+    reads them all: together larger than L2)."""
+    it = itertools.cycle(inputs)
+    return lambda: fn(next(it))
 
 
-def time_us(fn: Callable[[int], object]) -> float:
-    """Mean µs of ``fn(i)`` over a CUDA graph of ``REPS`` calls (``i``: which input set)."""
-    for i in range(REPS):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(REPS):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (5 * REPS)
-
-
-def kernels(rows: int, hidden: int, inter: int) -> dict[str, tuple[Callable[[int], object], int]]:
-    """``{name: (call(i), bytes moved)}``: each kernel over its own inputs per call ``i``
-    (two sets, alternated, together larger than L2)."""
+def kernels(rows: int, hidden: int, inter: int) -> dict[str, tuple[Callable[[], object], int]]:
+    """``{name: (call, bytes moved)}``: each kernel over two input sets in turn, together
+    larger than L2."""
     dev, dt = "cuda", torch.bfloat16
     gate_up = [torch.randn(rows, 2 * inter, device=dev, dtype=dt) for _ in range(2)]
-    x = [torch.randn(rows, hidden, device=dev, dtype=dt) for _ in range(2)]
-    res = [torch.randn(rows, hidden, device=dev, dtype=dt) for _ in range(2)]
+    xr = [(torch.randn(rows, hidden, device=dev, dtype=dt), torch.randn(rows, hidden, device=dev, dtype=dt))
+          for _ in range(2)]
     w = torch.randn(hidden, device=dev, dtype=dt)
     act_in, act_out_bf16, act_out_fp8 = rows * 2 * inter * 2, rows * inter * 2, rows * inter * (1 + 4 / 128)
     norm_in, norm_out_bf16, norm_out_fp8 = 2 * rows * hidden * 2, 2 * rows * hidden * 2, rows * hidden * (3 + 4 / 128)
     return {
-        "silu_and_mul": (lambda i: silu_and_mul(gate_up[i % 2]), act_in + act_out_bf16),
-        "silu_and_mul_fp8": (lambda i: silu_and_mul_fp8(gate_up[i % 2], pad_rows_to=16), act_in + act_out_fp8),
-        "fused_add_rms_norm": (lambda i: fused_add_rms_norm(x[i % 2], res[i % 2], w, 1e-6), norm_in + norm_out_bf16),
-        "fused_add_rms_norm_fp8": (lambda i: fused_add_rms_norm_fp8(x[i % 2], res[i % 2], w, 1e-6, pad_rows_to=16),
+        "silu_and_mul": (alternating(silu_and_mul, gate_up), act_in + act_out_bf16),
+        "silu_and_mul_fp8": (alternating(lambda g: silu_and_mul_fp8(g, pad_rows_to=16), gate_up),
+                             act_in + act_out_fp8),
+        "fused_add_rms_norm": (alternating(lambda t: fused_add_rms_norm(*t, w, 1e-6), xr), norm_in + norm_out_bf16),
+        "fused_add_rms_norm_fp8": (alternating(lambda t: fused_add_rms_norm_fp8(*t, w, 1e-6, pad_rows_to=16), xr),
                                    norm_in + norm_out_fp8),
     }
 
@@ -81,7 +69,7 @@ def measure(calls: dict, copy_gbs: float, names: list[str] | None = None) -> dic
     out = {}
     for name, (fn, nbytes) in calls.items():
         if names is None or name in names:
-            us = time_us(fn)
+            us = time_us(fn, reps=20)
             out[name] = {"us": round(us, 1), "gb_s": round(nbytes / us / 1e3, 1),
                          "of_copy": round(nbytes / us / 1e3 / copy_gbs, 3)}
     return out

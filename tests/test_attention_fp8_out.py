@@ -13,7 +13,6 @@ tensors through Triton's interpreter in float32 (it computes bfloat16 wrongly).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -26,16 +25,11 @@ from kernels.paged_attention import (
     group_outputs,
     paged_attention,
     paged_attention_fp8_out,
-    triton,
 )
 from tests.test_sliding_window import _paged_batch
+from tests.triton_target import DEV, INTERPRET, KERNEL_TEST_MARKS
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEV = "cpu" if INTERPRET else "cuda"
-if INTERPRET:
-    pytestmark = pytest.mark.skipif(triton is None, reason="needs the triton package")
-else:
-    pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = KERNEL_TEST_MARKS
 
 CASES = {  # (query_len, seq_len) per sequence
     "prefill": [(70, 70), (9, 40)],

@@ -10,8 +10,6 @@ output is NaN-poisoned first: a kernel that reads skipped blocks, or forgets a r
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -20,17 +18,12 @@ from kernels.paged_attention import (
     check_attention_args,
     paged_attention,
     paged_attention_ref,
-    triton,
 )
 from tests.test_sliding_window import _oracle, _paged_batch, drive_windowed_requests
+from tests.triton_target import DEV, INTERPRET, KERNEL_TEST_MARKS
 from worker.models.attention import TritonAttentionBackend
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEV = "cpu" if INTERPRET else "cuda"
-if INTERPRET:
-    pytestmark = pytest.mark.skipif(triton is None, reason="needs the triton package")
-else:
-    pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = KERNEL_TEST_MARKS
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
