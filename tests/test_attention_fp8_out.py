@@ -12,7 +12,6 @@ tensors through Triton's interpreter in float32 (it computes bfloat16 wrongly).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -39,11 +38,17 @@ CASES = {  # (query_len, seq_len) per sequence
 }
 
 
+def _kernel_args(b: dict, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], int, int]:
+    """``_paged_batch``'s tensors on ``DEV`` in ``dtype`` as the attention takes them
+    (q, the caches, block tables, query_start_loc, seq_lens), and its two length hints."""
+    args = (b["q"].to(DEV, dtype), b["k_cache"].to(DEV, dtype), b["v_cache"].to(DEV, dtype),
+            b["block_tables"].to(DEV), b["query_start_loc"].to(DEV), b["seq_lens"].to(DEV))
+    return args, max(b["q_lens"]), max(b["s_lens"])
+
+
 def _quantized(b: dict, dtype: torch.dtype, pad_rows_to: int) -> tuple[torch.Tensor, torch.Tensor]:
-    q = b["q"].to(DEV, dtype)
-    args = (q, b["k_cache"].to(DEV, dtype), b["v_cache"].to(DEV, dtype), b["block_tables"].to(DEV),
-            b["query_start_loc"].to(DEV), b["seq_lens"].to(DEV))
-    max_query_len, max_seq_len = max(b["q_lens"]), max(b["s_lens"])
+    args, max_query_len, max_seq_len = _kernel_args(b, dtype)
+    q = args[0]
     scale = q.shape[-1] ** -0.5
     if not INTERPRET:
         return paged_attention_fp8_out(*args, scale, max_query_len=max_query_len, max_seq_len=max_seq_len,
@@ -57,10 +62,8 @@ def _quantized(b: dict, dtype: torch.dtype, pad_rows_to: int) -> tuple[torch.Ten
 
 
 def _two_launches(b: dict, dtype: torch.dtype, pad_rows_to: int) -> tuple[torch.Tensor, torch.Tensor]:
-    q = b["q"].to(DEV, dtype)
-    args = (q, b["k_cache"].to(DEV, dtype), b["v_cache"].to(DEV, dtype), b["block_tables"].to(DEV),
-            b["query_start_loc"].to(DEV), b["seq_lens"].to(DEV))
-    max_query_len, max_seq_len = max(b["q_lens"]), max(b["s_lens"])
+    args, max_query_len, max_seq_len = _kernel_args(b, dtype)
+    q = args[0]
     t, h, d = q.shape
     out = torch.empty_like(q)
     if INTERPRET:
@@ -109,30 +112,15 @@ def test_quantized_output_is_attention_then_quantize_groups(case: str, num_kv_he
 
 @pytest.mark.skipif(INTERPRET, reason="the model runs on CUDA")
 def test_o_proj_takes_the_quantized_attention_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A 2-layer bf16 model with FP8 block weights and head_dim 128: a prefill runs each
-    layer's attention through ``paged_attention_fp8_out`` (its ``o_proj`` takes
-    group-quantized input), and its logits equal, bit for bit, those with the attention
-    and the quantizer as two launches."""
-    from shared.model_source import DUMMY_CONFIGS
-    from tests.test_fp8_cuda import _free, _llm, _prefill_logits, _prompts
-
-    config = DUMMY_CONFIGS["SmolLM2-135M"] | {"num_hidden_layers": 2, "hidden_size": 512, "intermediate_size": 1536,
-                                              "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    llm = _llm(model=str(tmp_path), quantization="fp8", enforce_eager=True, enable_prefix_caching=False)
-    prompt = _prompts()[2]
-    calls = []
-    fused = attention_module.paged_attention_fp8_out
-    monkeypatch.setattr(attention_module, "paged_attention_fp8_out",
-                        lambda *a, **k: calls.append(1) or fused(*a, **k))
-    logits = _prefill_logits(llm, prompt)
-    assert len(calls) == 2
+    """With FP8 block weights and head_dim 128, each layer's attention runs through
+    ``paged_attention_fp8_out`` (its ``o_proj`` takes group-quantized input), bit for bit
+    the attention and the quantizer as two launches (``check_fused_against_two_launches``)."""
+    from tests.test_fp8_cuda import check_fused_against_two_launches
 
     def two_launches(q: torch.Tensor, *args: object, pad_rows_to: int = 1, **kwargs: object):
         o = paged_attention(q, *args, **kwargs)  # type: ignore[arg-type]
         t, h, d = q.shape
         return quantize_groups(o.reshape(t, h * d), d, pad_rows_to, True)
 
-    monkeypatch.setattr(attention_module, "paged_attention_fp8_out", two_launches)
-    assert torch.equal(_prefill_logits(llm, prompt), logits)
-    _free(llm)
+    check_fused_against_two_launches(tmp_path, 128, attention_module, "paged_attention_fp8_out", two_launches, 2,
+                                     monkeypatch)

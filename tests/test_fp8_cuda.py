@@ -11,6 +11,7 @@ import dataclasses
 import gc
 import itertools
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -337,29 +338,39 @@ def test_fp8_logits_against_unquantized_and_the_reference(two_layer_folder: str)
     assert vs_reference < vs_plain < 0.2
 
 
-def test_norms_quantize_for_their_block_scaled_products(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A model whose dims are multiples of 128 (2 layers, bf16, FP8 blocks): a prefill
-    runs each layer's two pre-norms through ``fused_add_rms_norm_fp8`` (their products
-    take group-quantized input), and its logits equal, bit for bit, those of the same
-    model with the norm and the quantizer as two launches."""
-    import worker.models.linear as linear_module
-
+def check_fused_against_two_launches(folder: Path, head_dim: int, module: object, name: str,
+                                    two_launches: Callable[..., object], calls: int,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model whose dims are multiples of 128 (2 layers, bf16, FP8 blocks, ``head_dim``
+    as given), written to ``folder``: a prefill calls ``module.name`` (a kernel that
+    quantizes for an FP8 product as it computes) ``calls`` times, and its logits equal,
+    bit for bit, those of the same model with ``two_launches`` (the kernel and the group
+    quantizer in turn) in its place."""
     config = DUMMY_CONFIGS[MODEL] | {"num_hidden_layers": 2, "hidden_size": 512, "intermediate_size": 1536,
-                                     "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    llm = _llm(model=str(tmp_path), quantization="fp8", enforce_eager=True, enable_prefix_caching=False)
+                                     "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": head_dim}
+    (folder / "config.json").write_text(json.dumps(config))
+    llm = _llm(model=str(folder), quantization="fp8", enforce_eager=True, enable_prefix_caching=False)
     prompt = _prompts()[2]
-    calls = []
-    fused = linear_module.fused_add_rms_norm_fp8
-    monkeypatch.setattr(linear_module, "fused_add_rms_norm_fp8", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    seen = []
+    fused = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: seen.append(1) or fused(*a, **k))
     logits = _prefill_logits(llm, prompt)
-    assert len(calls) == 2 * 2
+    assert len(seen) == calls
+    monkeypatch.setattr(module, name, two_launches)
+    assert torch.equal(_prefill_logits(llm, prompt), logits)
+    _free(llm)
+
+
+def test_norms_quantize_for_their_block_scaled_products(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each layer's two pre-norms run through ``fused_add_rms_norm_fp8`` (their products
+    take group-quantized input), bit for bit the norm and the quantizer as two launches
+    (``check_fused_against_two_launches``)."""
+    import worker.models.linear as linear_module
 
     def two_launches(*args: object, pad_rows_to: int = 1) -> tuple[torch.Tensor, ...]:
         out, res = fused_add_rms_norm(*args)  # type: ignore[arg-type]
         return *quantize_groups(out, pad_rows_to=pad_rows_to, scales_column_major=True), res
 
-    monkeypatch.setattr(linear_module, "fused_add_rms_norm_fp8", two_launches)
-    assert torch.equal(_prefill_logits(llm, prompt), logits)
-    _free(llm)
+    check_fused_against_two_launches(tmp_path, 64, linear_module, "fused_add_rms_norm_fp8", two_launches, 2 * 2,
+                                     monkeypatch)
 

@@ -9,7 +9,9 @@ default without calibration (see docs/operations.md, "FP8 KV cache")."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -181,12 +183,8 @@ class TritonAttentionBackend:
                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                  scale: float, sliding_window: int | None = None, kv_quant: KVQuant | None = None) -> torch.Tensor:
         """Same contract as ``TorchAttentionBackend.__call__``."""
-        k_scale, v_scale, k_bias = _encoding(kv_quant)
-        self._write(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale, k_bias)
-        return self._kernels.paged_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
-            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, sliding_window=sliding_window,
-            k_scale=k_scale, v_scale=v_scale)
+        return self._write_and_attend(self._kernels.paged_attention, q, k, v, k_cache, v_cache, meta, scale,
+                                      sliding_window, kv_quant)
 
     def attend_fp8_out(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -196,12 +194,19 @@ class TritonAttentionBackend:
         (``kernels.paged_attention.paged_attention_fp8_out``, one E4M3 group per head row,
         rows padded to a multiple of ``pad_rows_to``): ``(out [T', num_heads * head_dim]
         float8_e4m3fn, scale [T', num_heads] float32, column-major)``."""
+        return self._write_and_attend(self._kernels.paged_attention_fp8_out, q, k, v, k_cache, v_cache, meta,
+                                      scale, sliding_window, kv_quant, pad_rows_to=pad_rows_to)
+
+    def _write_and_attend(self, attend: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                          sliding_window: int | None, kv_quant: KVQuant | None, **extra: int) -> Any:
+        """Write ``k, v`` to the cache with the layer's encoding, then run ``attend`` (one
+        of ``kernels/paged_attention.py``'s entry points, looked up at each call) over it."""
         k_scale, v_scale, k_bias = _encoding(kv_quant)
         self._write(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale, k_bias)
-        return self._kernels.paged_attention_fp8_out(
-            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
-            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, pad_rows_to=pad_rows_to,
-            sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale)
+        return attend(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
+                      max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, sliding_window=sliding_window,
+                      k_scale=k_scale, v_scale=v_scale, **extra)
 
 
 def _encoding(kv_quant: KVQuant | None) -> tuple[float, float, torch.Tensor | None]:

@@ -186,8 +186,7 @@ class Attention(nn.Module):
         options: dict = {} if self.kv_quant is None else {"kv_quant": self.kv_quant}
         if self.window is not None:
             options["sliding_window"] = self.window
-        if ("fp8_out" in backend.fused_ops and self.head_dim == FP8_BLOCK and q.is_cuda
-                and self.o_proj.takes_quantized_input(t)):
+        if "fp8_out" in backend.fused_ops and self.head_dim == FP8_BLOCK and self.o_proj.takes_quantized_input(t):
             # Each head row of the output is one 1x128 group of o_proj's block-scaled input:
             # the attention writes it quantized (no bfloat16 output, no quantizer launch).
             o8, o_scale = backend.attend_fp8_out(q, k, v, kv_cache[0], kv_cache[1], meta,  # type: ignore[union-attr]
