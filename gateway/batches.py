@@ -1,6 +1,10 @@
 """``/v1/batches``: create, retrieve, list and cancel batches (OpenAI's Batch API). The
 gateway stores the batch object and enqueues an arq job; a batch worker
-(``worker/batch_jobs.py``) runs it (docs/operations.md, "Batches")."""
+(``worker/batch_jobs.py``) runs it (docs/operations.md, "Batches").
+
+A batch belongs to the key tenant that created it, from one of its own files; its lines
+run as that tenant. Every route answers 404, as for a batch that does not exist, to any
+other key but an admin key (docs/operations.md, "Tenants and isolation")."""
 
 from __future__ import annotations
 
@@ -12,9 +16,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from gateway.errors import OpenAIError
-from gateway.files import list_page, store_of
-from gateway.handlers import check_auth, read_body
-from shared.batch_store import BATCH_ENDPOINTS, COMPLETION_WINDOW, enqueue_run, new_id
+from gateway.files import caller_of, list_page, owned_file, store_of
+from gateway.handlers import read_body
+from gateway.tenants import Caller
+from shared.batch_store import BATCH_ENDPOINTS, COMPLETION_WINDOW, StoredBatch, enqueue_run, new_id
 from shared.settings import BatchSettings
 
 #: Most ``metadata`` pairs on a batch, and the longest key and value (OpenAI's limits).
@@ -55,16 +60,27 @@ def _parse_create(raw: bytes) -> dict[str, Any]:
 def install_batch_routes(app: FastAPI, batch: BatchSettings) -> None:
     """Add the ``/v1/batches`` routes to ``app`` (whose ``state.inferq`` is the GatewayState)."""
 
+    async def owned_batch(request: Request, caller: Caller, batch_id: str) -> StoredBatch:
+        """The batch ``batch_id`` if ``caller`` may see it. Raises OpenAIError 404
+        ``batch_not_found`` when it does not exist or belongs to another tenant (the same
+        answer)."""
+        stored = await store_of(request, batch).get_batch(batch_id)
+        if stored is None or not caller.owns(stored.owner):
+            raise OpenAIError(404, f"No such Batch object: {batch_id}", param="batch_id", code="batch_not_found")
+        return stored
+
+    async def batch_object(request: Request, batch_id: str) -> dict[str, Any]:
+        stored = await store_of(request, batch).get_batch(batch_id)
+        assert stored is not None  # batches are never deleted
+        return stored.obj
+
     @app.post("/v1/batches", include_in_schema=False)
     async def create_batch(request: Request) -> Response:
         state = request.app.state.inferq
-        check_auth(state, request)
+        caller = await caller_of(request)
         body = _parse_create(await read_body(request, state.settings.max_body_bytes))
         store = store_of(request, batch)
-        file = await store.get_file(body["input_file_id"])
-        if file is None:
-            raise OpenAIError(404, f"No such File object: {body['input_file_id']}", param="input_file_id",
-                              code="file_not_found")
+        file = (await owned_file(request, batch, caller, body["input_file_id"], param="input_file_id")).obj
         if file["purpose"] != "batch":
             raise OpenAIError(400, f"file {file['id']} has purpose {file['purpose']!r}, not \"batch\"",
                               param="input_file_id")
@@ -76,31 +92,26 @@ def install_batch_routes(app: FastAPI, batch: BatchSettings) -> None:
                "finalizing_at": None, "completed_at": None, "failed_at": None, "expired_at": None,
                "cancelling_at": None, "cancelled_at": None, "total": 0, "completed": 0, "failed": 0,
                "metadata": body.get("metadata")}
-        await store.create_batch(obj)
+        # The batch is the caller's, whoever owns the file (an admin key may use any file).
+        await store.create_batch(obj, owner=caller.key_tenant)
         await enqueue_run(store, obj["id"])
-        return JSONResponse(await store.get_batch(obj["id"]))
+        return JSONResponse(await batch_object(request, obj["id"]))
 
     @app.get("/v1/batches", include_in_schema=False)
     async def list_batches(request: Request, limit: int = DEFAULT_LIST_LIMIT, after: str | None = None) -> Response:
-        check_auth(request.app.state.inferq, request)
+        caller = await caller_of(request)
         if not 1 <= limit <= MAX_LIST_LIMIT:
             raise OpenAIError(400, f"`limit` must be between 1 and {MAX_LIST_LIMIT}", param="limit")
-        return list_page(*await store_of(request, batch).list_batches(limit, after))
-
-    async def existing(request: Request, batch_id: str) -> dict[str, Any]:
-        check_auth(request.app.state.inferq, request)
-        obj = await store_of(request, batch).get_batch(batch_id)
-        if obj is None:
-            raise OpenAIError(404, f"No such Batch object: {batch_id}", param="batch_id", code="batch_not_found")
-        return obj
+        owner = None if caller.is_admin else caller.key_tenant  # an admin key lists every batch
+        return list_page(*await store_of(request, batch).list_batches(owner, limit, after))
 
     @app.get("/v1/batches/{batch_id}", include_in_schema=False)
     async def retrieve_batch(batch_id: str, request: Request) -> Response:
-        return JSONResponse(await existing(request, batch_id))
+        return JSONResponse((await owned_batch(request, await caller_of(request), batch_id)).obj)
 
     @app.post("/v1/batches/{batch_id}/cancel", include_in_schema=False)
     async def cancel_batch(batch_id: str, request: Request) -> Response:
-        obj = await existing(request, batch_id)
+        obj = (await owned_batch(request, await caller_of(request), batch_id)).obj
         store = store_of(request, batch)
         if obj["status"] not in ("cancelling", "cancelled"):
             moved = await store.transition(batch_id, ("validating", "in_progress"), "cancelling",
@@ -111,4 +122,4 @@ def install_batch_routes(app: FastAPI, batch: BatchSettings) -> None:
             # The runner sees the status within a moment; a batch nobody runs is finalized
             # by the job this enqueues.
             await enqueue_run(store, batch_id)
-        return JSONResponse(await store.get_batch(batch_id))
+        return JSONResponse(await batch_object(request, batch_id))

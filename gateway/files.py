@@ -1,6 +1,11 @@
 """``/v1/files``: upload (multipart, read as a stream straight to disk), list, retrieve,
 download and delete batch input files (docs/operations.md, "Batches").
 
+Every file belongs to the key tenant that uploaded it (a batch's output and error files
+to the batch's owner); every route answers 404, as for a file that does not exist, to
+any other key but an admin key (``Caller.owns``; docs/operations.md, "Tenants and
+isolation").
+
 An upload is validated line by line before it is stored: each line a JSON object with a
 ``custom_id`` unique in the file, ``method: POST``, a ``url`` in ``BATCH_ENDPOINTS`` and a
 ``body`` object whose ``model`` is the served model. A bad file is a 400 naming the first
@@ -17,10 +22,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from python_multipart.multipart import MultipartParser, parse_options_header
+from starlette.requests import ClientDisconnect
 
 from gateway.errors import OpenAIError
-from gateway.handlers import check_auth
-from shared.batch_store import BATCH_ENDPOINTS, BatchStore, new_id
+from gateway.tenants import Caller, identify
+from shared.batch_store import BATCH_ENDPOINTS, BatchStore, StoredFile, new_id
 from shared.settings import BatchSettings
 
 #: How many bad lines a 400 for an invalid file names.
@@ -36,6 +42,30 @@ def list_page(data: list[dict[str, Any]], has_more: bool) -> JSONResponse:
     """OpenAI's list object over ``data`` (files or batches), with its first and last ids."""
     return JSONResponse({"object": "list", "data": data, "has_more": has_more,
                          "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
+
+
+async def caller_of(request: Request) -> Caller:
+    """Who calls a files or batches route (``identify``; no batch credential here).
+
+    Raises:
+        OpenAIError: 401, or 503 when Redis is unreachable.
+    """
+    state = request.app.state.inferq
+    return await identify(state.settings, state.tenants, request)
+
+
+async def owned_file(request: Request, batch: BatchSettings, caller: Caller, file_id: str,
+                     param: str = "file_id") -> StoredFile:
+    """The file ``file_id`` if ``caller`` may see it.
+
+    Raises:
+        OpenAIError: 404 ``file_not_found`` (``param``) when it does not exist or belongs
+            to another tenant: the same answer, so a tenant learns nothing of others' ids.
+    """
+    stored = await store_of(request, batch).get_file(file_id)
+    if stored is None or not caller.owns(stored.owner):
+        raise OpenAIError(404, f"No such File object: {file_id}", param=param, code="file_not_found")
+    return stored
 
 
 def store_of(request: Request, batch: BatchSettings) -> BatchStore:
@@ -117,7 +147,7 @@ async def receive_upload(request: Request, dest: Path, max_file_bytes: int) -> t
             if state["error"] is not None:
                 raise state["error"]
         parser.finalize()
-    except OpenAIError:
+    except (OpenAIError, ClientDisconnect):  # the client left mid-upload: one INFO line (gateway/errors.py)
         raise
     except Exception as exc:  # noqa: BLE001 - python-multipart's parse errors
         raise OpenAIError(400, f"malformed multipart body: {exc}") from None
@@ -184,7 +214,7 @@ def install_file_routes(app: FastAPI, batch: BatchSettings) -> None:
     @app.post("/v1/files", include_in_schema=False)
     async def upload_file(request: Request) -> Response:
         state = request.app.state.inferq
-        check_auth(state, request)
+        caller = await caller_of(request)
         store = store_of(request, batch)
         tmp = store.temp_path()
         try:
@@ -197,33 +227,28 @@ def install_file_routes(app: FastAPI, batch: BatchSettings) -> None:
             if errors:
                 raise OpenAIError(400, "invalid batch input file: " + "; ".join(errors), param="file",
                                   code="invalid_file")
-            return JSONResponse(await store.add_file(new_id("file"), tmp, filename, "batch"))
+            return JSONResponse(await store.add_file(new_id("file"), tmp, filename, "batch", caller.key_tenant))
         finally:
             tmp.unlink(missing_ok=True)
 
     @app.get("/v1/files", include_in_schema=False)
     async def list_files(request: Request, purpose: str | None = None) -> Response:
-        check_auth(request.app.state.inferq, request)
-        return list_page(await store_of(request, batch).list_files(purpose), has_more=False)
-
-    async def existing(request: Request, file_id: str) -> dict[str, Any]:
-        check_auth(request.app.state.inferq, request)
-        obj = await store_of(request, batch).get_file(file_id)
-        if obj is None:
-            raise OpenAIError(404, f"No such File object: {file_id}", param="file_id", code="file_not_found")
-        return obj
+        caller = await caller_of(request)
+        owner = None if caller.is_admin else caller.key_tenant  # an admin key lists every file
+        return list_page(await store_of(request, batch).list_files(owner, purpose), has_more=False)
 
     @app.get("/v1/files/{file_id}", include_in_schema=False)
     async def retrieve_file(file_id: str, request: Request) -> Response:
-        return JSONResponse(await existing(request, file_id))
+        stored = await owned_file(request, batch, await caller_of(request), file_id)
+        return JSONResponse(stored.obj)
 
     @app.get("/v1/files/{file_id}/content", include_in_schema=False)
     async def file_content(file_id: str, request: Request) -> Response:
-        await existing(request, file_id)
+        await owned_file(request, batch, await caller_of(request), file_id)
         return FileResponse(store_of(request, batch).path(file_id), media_type="application/jsonl")
 
     @app.delete("/v1/files/{file_id}", include_in_schema=False)
     async def delete_file(file_id: str, request: Request) -> Response:
-        await existing(request, file_id)
-        await store_of(request, batch).delete_file(file_id)
+        stored = await owned_file(request, batch, await caller_of(request), file_id)
+        await store_of(request, batch).delete_file(file_id, stored.owner)
         return JSONResponse({"id": file_id, "object": "file", "deleted": True})

@@ -21,12 +21,11 @@ import math
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
-from starlette.requests import Request
 
 from gateway.admission import redis_guard
 from gateway.errors import OpenAIError
 from gateway.metrics import GatewayMetrics
-from gateway.tenants import bearer_token, key_tenant, tenant_of
+from gateway.tenants import Tenants
 from shared.keys import Keys
 from shared.settings import GatewaySettings, parse_rate_limits
 
@@ -107,40 +106,47 @@ class RateLimiter:
     """Admits a request or refuses it (429) by its tenant's limits, for one model.
 
     Limits come from ``GatewaySettings``: ``rate_limit_rpm`` / ``rate_limit_tpm`` for
-    every tenant, replaced for the tenants of a key listed in ``rate_limits`` (looked up
-    by the key's hash, so the key itself is not kept).
+    every tenant, replaced for the tenants of a key listed in ``rate_limits``, looked up
+    by the key's tenant id (``Tenants.key_tenant``), so the key itself is not kept and a
+    batch line, which names its owner's key tenant, gets the owner's limits.
     """
 
     def __init__(self, client: aioredis.Redis, keys: Keys, model: str, settings: GatewaySettings,
-                 metrics: GatewayMetrics) -> None:
+                 metrics: GatewayMetrics, tenants: Tenants) -> None:
         self._keys = keys
         self._model = model
-        self._settings = settings
         self._metrics = metrics
+        self._tenants = tenants
         self._default = Limits(settings.rate_limit_rpm, settings.rate_limit_tpm)
-        self._per_key = {key_tenant(key): Limits(rpm, tpm)
-                         for key, (rpm, tpm) in parse_rate_limits(settings.rate_limits).items()}
+        self._per_key_limits = parse_rate_limits(settings.rate_limits)
+        self._per_tenant: dict[str, Limits] = {}  # by key tenant, for the tenant key of ``_version``
+        self._version = -1
         self._take = client.register_script(_TAKE)
 
-    def limits_for(self, request: Request) -> Limits:
-        """The limits of ``request``'s API key (its override, else the defaults)."""
-        if not self._per_key:
+    def limits_for(self, key_tenant: str) -> Limits:
+        """The limits of the API key whose tenant id is ``key_tenant`` (its override, else
+        the defaults). Call after ``Tenants.ready`` (``identify`` does)."""
+        if not self._per_key_limits:
             return self._default
-        return self._per_key.get(key_tenant(bearer_token(request)), self._default)
+        if self._version != self._tenants.version:
+            self._per_tenant = {self._tenants.key_tenant(key): Limits(rpm, tpm)
+                                for key, (rpm, tpm) in self._per_key_limits.items()}
+            self._version = self._tenants.version
+        return self._per_tenant.get(key_tenant, self._default)
 
-    async def admit(self, request: Request, body_user: str | None, num_tokens: int) -> dict[str, str]:
+    async def admit(self, tenant: str, key_tenant: str, num_tokens: int) -> dict[str, str]:
         """Take one request and ``num_tokens`` tokens (prompt + ``max_tokens`` of every
-        child) from the tenant's buckets. Returns the ``x-ratelimit-*`` headers for the
-        response ({} and no Redis call when its limits are off).
+        child) from the buckets of ``tenant`` (``tenant_of``), by the limits of the caller's
+        ``key_tenant``. Returns the ``x-ratelimit-*`` headers for the response ({} and no
+        Redis call when its limits are off).
 
         Raises:
             OpenAIError: 429 ``rate_limit_exceeded`` with ``Retry-After`` (whole seconds,
                 at least 1) and the headers, nothing taken; 503 when Redis is unreachable.
         """
-        limits = self.limits_for(request)
+        limits = self.limits_for(key_tenant)
         if not limits.on:
             return {}
-        tenant = tenant_of(request, body_user, self._settings)
         with redis_guard("rate limit"):
             out = await self._take(keys=[self._keys.rate_limit_key(self._model, tenant)],
                                    args=[limits.requests_per_min, limits.tokens_per_min, 1, num_tokens])

@@ -2,11 +2,19 @@
 objects in Redis (key names: ``shared/keys.py``), file bodies in ``files_dir``
 (docs/operations.md, "Batches").
 
-A file is ``{files_dir}/{file_id}.jsonl`` plus an OpenAI file object (JSON) under
-``Keys.file_key``. A batch is a hash of its OpenAI batch object's fields (JSON values)
-under ``Keys.batch_key``; its results (custom_id -> result line) are a second hash,
-written once per custom_id by one Lua script that also counts the line, so a line that
-is run twice (at-least-once delivery) is recorded and counted once.
+A file is ``{files_dir}/{file_id}.jsonl`` plus an OpenAI file object (JSON, with its
+owner in the extra field ``owner``) under ``Keys.file_key``. A batch is a hash of its
+OpenAI batch object's fields and ``owner`` (JSON values) under ``Keys.batch_key``; its
+results (custom_id -> result line) are a second hash, written once per custom_id by one
+Lua script that also counts the line, so a line that is run twice (at-least-once
+delivery) is recorded and counted once.
+
+Every file and batch has an owner: the key tenant (``gateway/tenants.py``) that uploaded
+or created it, or, for a batch's output and error files, the batch's owner. Besides the
+indexes of everything (for admin keys, ``/stats`` and the batch worker) each owner has
+its own index of files and of batches (``Keys.owner_files``, ``Keys.owner_batches``), so
+listing one owner's objects reads only theirs. Objects stored before owners existed have
+the owner "", which only admin keys see.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import json
 import os
 import secrets
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +66,22 @@ return 0
 """
 
 
+@dataclass(frozen=True, slots=True)
+class StoredFile:
+    """A file's OpenAI file object (``obj``, what the API answers) and its ``owner``."""
+
+    obj: dict[str, Any]
+    owner: str
+
+
+@dataclass(frozen=True, slots=True)
+class StoredBatch:
+    """A batch's OpenAI batch object (``obj``, ``request_counts`` filled in) and its ``owner``."""
+
+    obj: dict[str, Any]
+    owner: str
+
+
 def default_files_dir() -> Path:
     """``~/.cache/inferq/files``: where files live when ``files_dir`` is empty."""
     return Path.home() / ".cache" / "inferq" / "files"
@@ -88,66 +113,90 @@ class BatchStore:
         """A fresh temporary path in ``files_dir`` (same filesystem: ``os.replace`` is atomic)."""
         return self.dir / f".tmp-{secrets.token_hex(8)}"
 
-    async def add_file(self, file_id: str, src: Path, filename: str, purpose: str) -> dict[str, Any]:
-        """Move ``src`` to ``file_id``'s path and record its file object (returned)."""
+    async def add_file(self, file_id: str, src: Path, filename: str, purpose: str, owner: str) -> dict[str, Any]:
+        """Move ``src`` to ``file_id``'s path and record its file object (returned),
+        owned by key tenant ``owner``, in one transaction with both indexes.
+
+        Raises:
+            OSError: ``src`` could not be moved; redis errors: Redis unreachable.
+        """
         os.replace(src, self.path(file_id))
         obj = {"id": file_id, "object": "file", "bytes": self.path(file_id).stat().st_size,
                "created_at": int(time.time()), "filename": filename, "purpose": purpose,
                "status": "processed", "expires_at": None, "status_details": None}
+        score = time.time()  # finer than ``created_at``: files of one second keep their order
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.set(self.keys.file_key(file_id), json.dumps(obj))
-            pipe.zadd(self.keys.files_index(), {file_id: obj["created_at"]})
+            pipe.set(self.keys.file_key(file_id), json.dumps({**obj, "owner": owner}))
+            pipe.zadd(self.keys.files_index(), {file_id: score})
+            pipe.zadd(self.keys.owner_files(owner), {file_id: score})
             await pipe.execute()
         return obj
 
-    async def get_file(self, file_id: str) -> dict[str, Any] | None:
-        """The file object of ``file_id``, or None."""
+    async def get_file(self, file_id: str) -> StoredFile | None:
+        """The file object of ``file_id`` and its owner, or None."""
         raw = await self.redis.get(self.keys.file_key(file_id))
-        return None if raw is None else json.loads(raw)
+        return None if raw is None else _stored_file(raw)
 
-    async def list_files(self, purpose: str | None = None) -> list[dict[str, Any]]:
-        """Every file object, newest first (optionally of one ``purpose``)."""
-        ids = [i.decode() for i in await self.redis.zrevrange(self.keys.files_index(), 0, -1)]
+    async def list_files(self, owner: str | None, purpose: str | None = None) -> list[dict[str, Any]]:
+        """The file objects of ``owner`` (None: every file), newest first, optionally of
+        one ``purpose``."""
+        index = self.keys.files_index() if owner is None else self.keys.owner_files(owner)
+        ids = [i.decode() for i in await self.redis.zrevrange(index, 0, -1)]
         raws = await self.redis.mget([self.keys.file_key(i) for i in ids]) if ids else []
-        objs = [json.loads(r) for r in raws if r is not None]
+        objs = [_stored_file(r).obj for r in raws if r is not None]
         return [o for o in objs if purpose is None or o["purpose"] == purpose]
 
-    async def delete_file(self, file_id: str) -> bool:
-        """Delete ``file_id``'s metadata and body; False if it did not exist."""
+    async def delete_file(self, file_id: str, owner: str) -> bool:
+        """Delete ``file_id`` (owned by ``owner``): its metadata and index entries in one
+        transaction, then its body. Returns False if it did not exist."""
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(self.keys.file_key(file_id))
             pipe.zrem(self.keys.files_index(), file_id)
-            existed, _ = await pipe.execute()
+            pipe.zrem(self.keys.owner_files(owner), file_id)
+            existed, _, _ = await pipe.execute()
         self.path(file_id).unlink(missing_ok=True)
         return bool(existed)
 
     # --- batches ---
 
-    async def create_batch(self, obj: dict[str, Any]) -> None:
-        """Store a new batch object and mark it active."""
+    async def create_batch(self, obj: dict[str, Any], owner: str = "") -> None:
+        """Store a new batch object owned by key tenant ``owner`` ("": admin keys only),
+        index it and mark it active, in one transaction."""
+        score = time.time()  # finer than ``created_at``: batches of one second keep their order
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(self.keys.batch_key(obj["id"]), mapping={k: json.dumps(v) for k, v in obj.items()})
-            pipe.zadd(self.keys.batches_index(), {obj["id"]: obj["created_at"]})
+            fields = {k: json.dumps(v) for k, v in obj.items()}
+            pipe.hset(self.keys.batch_key(obj["id"]), mapping={**fields, "owner": json.dumps(owner)})
+            pipe.zadd(self.keys.batches_index(), {obj["id"]: score})
+            pipe.zadd(self.keys.owner_batches(owner), {obj["id"]: score})
             pipe.sadd(self.keys.active_batches(), obj["id"])
             await pipe.execute()
 
-    async def get_batch(self, batch_id: str) -> dict[str, Any] | None:
-        """The OpenAI batch object of ``batch_id`` (``request_counts`` filled in), or None."""
+    async def get_batch(self, batch_id: str) -> StoredBatch | None:
+        """The OpenAI batch object of ``batch_id`` (``request_counts`` filled in) and its
+        owner, or None."""
         raw = await self.redis.hgetall(self.keys.batch_key(batch_id))
         if not raw:
             return None
         fields = {k.decode(): json.loads(v) for k, v in raw.items()}
+        owner = str(fields.pop("owner", ""))
         completed, failed = int(fields.pop("completed", 0)), int(fields.pop("failed", 0))
         fields["request_counts"] = {"total": fields.pop("total", 0), "completed": completed, "failed": failed}
-        return fields
+        return StoredBatch(obj=fields, owner=owner)
 
-    async def list_batches(self, limit: int, after: str | None) -> tuple[list[dict[str, Any]], bool]:
-        """Up to ``limit`` batch objects, newest first, after batch id ``after``; and
-        whether more follow."""
-        ids = [i.decode() for i in await self.redis.zrevrange(self.keys.batches_index(), 0, -1)]
+    async def list_batches(self, owner: str | None, limit: int, after: str | None
+                           ) -> tuple[list[dict[str, Any]], bool]:
+        """Up to ``limit`` batch objects of ``owner`` (None: every batch), newest first,
+        after batch id ``after`` (none when ``after`` is not one of them); and whether
+        more follow. Reads ``limit`` + 1 ids of the owner's index from ``after``'s rank."""
+        index = self.keys.batches_index() if owner is None else self.keys.owner_batches(owner)
+        start = 0
         if after is not None:
-            ids = ids[ids.index(after) + 1:] if after in ids else []
-        page = [b for b in [await self.get_batch(i) for i in ids[:limit]] if b is not None]
+            rank = await self.redis.zrevrank(index, after)
+            if rank is None:
+                return [], False
+            start = rank + 1
+        ids = [i.decode() for i in await self.redis.zrevrange(index, start, start + limit)]
+        page = [b.obj for b in [await self.get_batch(i) for i in ids[:limit]] if b is not None]
         return page, len(ids) > limit
 
     async def count_by_status(self) -> dict[str, int]:
@@ -202,6 +251,12 @@ class BatchStore:
     async def active_ids(self) -> list[str]:
         """The ids of batches not yet in a final status."""
         return [i.decode() for i in await self.redis.smembers(self.keys.active_batches())]
+
+
+def _stored_file(raw: bytes) -> StoredFile:
+    obj = json.loads(raw)
+    owner = str(obj.pop("owner", ""))
+    return StoredFile(obj=obj, owner=owner)
 
 
 #: Name of the arq function that runs a batch (``worker/batch_jobs.py``).

@@ -1,6 +1,7 @@
 """The Batch API end to end: the official ``openai`` client against a gateway, a sim
 worker and an ``inferq batch-worker`` (arq) on a real Redis: upload, validation, a batch
-to ``completed``, cancel, expiry, and a batch worker killed mid-batch."""
+to ``completed``, cancel, expiry, an input file deleted mid-batch, and a batch worker
+killed mid-batch. Tenants and ownership: tests/test_tenants.py."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ FINAL = ("completed", "failed", "expired", "cancelled")
 #: Sim step time, ms: a line of N tokens takes about N steps.
 SIM_STEP_MS = 5
 BATCH_CONCURRENCY = 8
+BATCH_URL = "/v1/chat/completions"
 
 
 def _lines(n: int, max_tokens: int, prefix: str = "req") -> bytes:
@@ -221,6 +223,75 @@ def test_expiry_sends_the_rest_to_the_error_file(stack):
     assert output and errors
     assert all(e["error"]["code"] == "batch_expired" and e["response"] is None for e in errors)
     assert done.request_counts.failed == len(errors) and done.request_counts.completed == len(output)
+
+
+def test_input_deleted_mid_batch_fails_the_batch(stack):
+    """The input file deleted while the batch runs: it stops sending and ends ``failed``
+    with ``file_not_found``, its results so far in its files; nothing retries."""
+    num_lines = 100
+    batch = stack.create(_lines(num_lines, max_tokens=100, prefix="gone"))
+    stack.wait(batch.id, (), min_done=BATCH_CONCURRENCY)
+    assert stack.client.files.delete(batch.input_file_id).deleted
+    done = stack.wait(batch.id, FINAL, timeout_s=20)
+    assert done.status == "failed" and done.failed_at, done
+    assert [(e.code, e.param) for e in done.errors.data] == [("file_not_found", "input_file_id")]
+    counts = done.request_counts
+    assert BATCH_CONCURRENCY <= counts.completed < num_lines
+    output = stack.read(done.output_file_id)
+    assert len(output) == counts.completed and all(line["custom_id"].startswith("gone-") for line in output)
+    time.sleep(1.5)  # a resume tick: the batch stays failed and nothing is logged again
+    assert stack.client.batches.retrieve(batch.id).status == "failed"
+    assert "FileNotFoundError" not in (stack.tmp / "batch-worker.log").read_text()
+
+
+def test_input_deleted_while_cancelling_ends_cancelled(stack):
+    batch = stack.create(_lines(100, max_tokens=100, prefix="gone-c"))
+    stack.wait(batch.id, (), min_done=BATCH_CONCURRENCY)
+    assert stack.client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
+    stack.client.files.delete(batch.input_file_id)
+    done = stack.wait(batch.id, FINAL, timeout_s=20)
+    assert done.status == "cancelled" and done.cancelled_at, done
+    assert "FileNotFoundError" not in (stack.tmp / "batch-worker.log").read_text()
+
+
+@pytest.mark.parametrize(("status", "final"), [("finalizing", "failed"), ("in_progress", "failed"),
+                                               ("cancelling", "cancelled")])
+async def test_a_runner_ends_a_batch_whose_input_is_gone(tmp_path, status, final):
+    """Whatever status a batch had reached, a runner that finds its input file gone ends
+    it at once (before: ``finalizing`` forever, FileNotFoundError every resume); the
+    results recorded so far go to the owner's files."""
+    import redis.asyncio as aioredis
+
+    from shared.batch_store import BatchStore
+    from shared.embedded_redis import EmbeddedRedis
+    from shared.settings import BatchSettings
+    from worker.batch_jobs import BatchRunner
+
+    server = EmbeddedRedis().start()
+    client = aioredis.from_url(server.url)
+    try:
+        store = BatchStore(client, Keys(), str(tmp_path))
+        now = int(time.time())
+        await store.create_batch({"id": "batch_0123", "object": "batch", "status": status, "created_at": now,
+                                  "expires_at": now + 3600, "input_file_id": "file-gone", "endpoint": BATCH_URL,
+                                  "total": 2, "completed": 0, "failed": 0}, owner="owner-a")
+        result = {"id": "r", "custom_id": "b", "response": {"status_code": 200, "body": {}}, "error": None}
+        await store.record("batch_0123", "b", result, ok=True)
+        await store.record("batch_0123", "a", {**result, "custom_id": "a"}, ok=True)
+        async with httpx.AsyncClient() as http:
+            assert await BatchRunner(store, BatchSettings(files_dir=str(tmp_path)), http).run("batch_0123") == final
+        stored = await store.get_batch("batch_0123")
+        assert stored is not None and stored.obj["status"] == final and stored.obj[f"{final}_at"]
+        if final == "failed":
+            assert stored.obj["errors"]["data"][0]["code"] == "file_not_found"
+        assert await store.active_ids() == []  # no resume picks it up again
+        output = await store.get_file(stored.obj["output_file_id"])
+        assert output is not None and output.owner == "owner-a"
+        assert [json.loads(line)["custom_id"] for line in store.path(output.obj["id"]).read_text().splitlines()] == [
+            "a", "b"]
+    finally:
+        await client.aclose()
+        server.close()
 
 
 def test_killed_batch_worker_and_gateway_lose_no_line_and_run_none_twice(stack):

@@ -11,7 +11,6 @@ import redis.asyncio as aioredis
 
 from gateway.metrics import MAX_TENANT_LABELS, OTHER_TENANT, GatewayMetrics
 from gateway.priority import class_of_priority
-from gateway.tenants import key_tenant
 from tests.test_gateway_harness import (  # noqa: F401 - fixtures are used by name
     MODEL,
     gateway_settings,
@@ -49,7 +48,7 @@ async def test_requests_are_queued_in_their_class_and_tenant(harness) -> None:
         streams = {m.decode() for m in await probe.smembers(harness.keys.model_streams(MODEL))}
     finally:
         await probe.aclose()
-    tenant = key_tenant("key-a")
+    tenant = harness.app.state.inferq.tenants.key_tenant("key-a")
     assert {harness.keys.class_stream(MODEL, c, tenant) for c in ("interactive", "default", "batch")} <= streams
 
 
@@ -74,7 +73,7 @@ async def test_admissions_are_counted_per_class_and_tenant(harness) -> None:
     r = await harness.http.post("/v1/completions", json=completion(max_tokens=10**6), headers=KEY_B)
     assert r.status_code == 400  # refused before its class was known: not counted per class
     text = harness.metrics()
-    tenant = key_tenant("key-b")
+    tenant = harness.app.state.inferq.tenants.key_tenant("key-b")
     assert f'inferq:class_admitted_total{{model_name="{MODEL}",priority_class="batch",tenant="{tenant}"}} 2.0' in text
     assert f'inferq:class_admitted_total{{model_name="{MODEL}",priority_class="default",tenant="{tenant}"}} 1.0' in text
 

@@ -1,11 +1,15 @@
 """Rate limits per tenant (gateway/rate_limits.py) and the tenant of a request
 (gateway/tenants.py): the gateway under uvicorn with a fake worker and a real Redis
-(fixtures: test_gateway_harness.py), and two gateways on one Redis under a burst."""
+(fixtures: test_gateway_harness.py), and two gateways on one Redis under a burst and
+naming keys alike. A batch's lines under its owner's limits end to end:
+tests/test_tenants.py."""
 
 # ruff: noqa: F811 - pytest fixtures imported from the harness are redefined as parameters
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import math
 import re
@@ -22,8 +26,9 @@ from starlette.requests import Request
 from gateway.app import create_app
 from gateway.metrics import GatewayMetrics
 from gateway.rate_limits import RateLimiter, format_reset
-from gateway.tenants import ANONYMOUS, key_tenant, tenant_of
+from gateway.tenants import ANONYMOUS, Tenants, tenant_id, tenant_of
 from shared.keys import Keys
+from shared.server_secret import BATCH_TENANT_HEADER, batch_credential
 from shared.settings import GatewaySettings, ModelSettings, RedisSettings, SettingsError
 from tests.test_gateway_harness import (  # noqa: F401 - fixtures are used by name
     MODEL,
@@ -79,22 +84,28 @@ def make_request(headers: dict[str, str]) -> Request:
     return Request({"type": "http", "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]})
 
 
+def test_tenant_id_is_a_keyed_hash_never_the_plain_one() -> None:
+    hashed = tenant_id(b"server secret", "sk-one")
+    assert re.fullmatch(r"[0-9a-f]{16}", hashed) and "sk-one" not in hashed
+    assert hashed == hmac.new(b"server secret", b"sk-one", "sha256").hexdigest()[:16]
+    assert hashed != hashlib.sha256(b"sk-one").hexdigest()[:16]
+    assert tenant_id(b"server secret", "sk-two") != hashed
+    assert tenant_id(b"another secret", "sk-one") != hashed  # unguessable without the secret
+
+
 def test_tenant_of_each_source() -> None:
     keyed = make_request(bearer("sk-one"))
-    hashed = key_tenant("sk-one")
-    assert re.fullmatch(r"[0-9a-f]{16}", hashed) and "sk-one" not in hashed
-    assert key_tenant("sk-two") != hashed
+    hashed = tenant_id(b"s", "sk-one")  # the caller's key tenant (gateway/tenants.py, identify)
     api_key = GatewaySettings()
-    assert tenant_of(keyed, "alice", api_key) == hashed  # the default source ignores the user field
-    assert tenant_of(make_request({}), None, api_key) == ANONYMOUS
-    assert tenant_of(make_request({"Authorization": "Basic sk-one"}), None, api_key) == ANONYMOUS
+    assert tenant_of(keyed, "alice", api_key, hashed) == hashed  # the default source ignores the user field
+    assert tenant_of(make_request({}), None, api_key, ANONYMOUS) == ANONYMOUS
     user = GatewaySettings(tenant_source="user")
-    assert tenant_of(keyed, "alice", user) == "user:alice"
-    assert tenant_of(keyed, None, user) == tenant_of(keyed, "", user) == hashed
-    assert tenant_of(keyed, "x" * 1000, user).startswith("user:sha256-")
+    assert tenant_of(keyed, "alice", user, hashed) == "user:alice"
+    assert tenant_of(keyed, None, user, hashed) == tenant_of(keyed, "", user, hashed) == hashed
+    assert tenant_of(keyed, "x" * 1000, user, hashed).startswith("user:sha256-")
     header = GatewaySettings(tenant_source="header:X-Team")
-    assert tenant_of(make_request({**bearer("sk-one"), "x-team": "red"}), "alice", header) == "header:red"
-    assert tenant_of(keyed, "alice", header) == hashed
+    assert tenant_of(make_request({**bearer("sk-one"), "x-team": "red"}), "alice", header, hashed) == "header:red"
+    assert tenant_of(keyed, "alice", header, hashed) == hashed
 
 
 @pytest.mark.parametrize("fields,problem", [
@@ -105,6 +116,7 @@ def test_tenant_of_each_source() -> None:
     ({"rate_limits": "sk-secret=60"}, "key=rpm:tpm"),
     ({"rate_limits": "sk-secret=1:2,sk-secret=3:4"}, "given twice"),
     ({"rate_limits": "sk-secret=1:2", "api_keys": ("sk-other",)}, "not among --api-key"),
+    ({"api_keys": ("sk-secret",), "admin_api_keys": ("sk-secret",)}, "both --api-key and --admin-api-key"),
 ])
 def test_bad_settings_are_named_and_keys_not_shown(fields: dict[str, object], problem: str) -> None:
     with pytest.raises(SettingsError) as err:
@@ -119,10 +131,13 @@ def test_reset_is_written_as_openai_does() -> None:
 
 async def test_redis_down_is_503() -> None:
     client = aioredis.from_url("redis://127.0.0.1:1", socket_connect_timeout=1)
-    limiter = RateLimiter(client, Keys("t"), MODEL, GatewaySettings(rate_limit_rpm=10), GatewayMetrics(MODEL))
-    with pytest.raises(Exception) as err:
-        await limiter.admit(make_request({}), None, 10)
-    assert getattr(err.value, "status", None) == 503 and err.value.code == "redis_unavailable"  # type: ignore[attr-defined]
+    settings = GatewaySettings(rate_limit_rpm=10)
+    tenants = Tenants(client, Keys("t"), settings)
+    limiter = RateLimiter(client, Keys("t"), MODEL, settings, GatewayMetrics(MODEL), tenants)
+    for call in (limiter.admit(ANONYMOUS, ANONYMOUS, 10), tenants.ready()):  # the tenant secret too
+        with pytest.raises(Exception) as err:
+            await call
+        assert getattr(err.value, "status", None) == 503 and err.value.code == "redis_unavailable"  # type: ignore[attr-defined]
     await client.aclose()
 
 
@@ -238,6 +253,59 @@ async def test_limits_off_add_no_headers_and_no_redis_calls(harness):
         await info.aclose()
 
 
+async def batch_headers(harness, owner_key: str) -> dict[str, str]:
+    """What the batch worker sends for a line of ``owner_key``'s batch: the batch
+    credential, read from Redis as the worker does, and the owner's key tenant."""
+    from shared.server_secret import load_server_secret
+
+    client = aioredis.from_url(harness.redis.url)
+    try:
+        credential = batch_credential(await load_server_secret(client, harness.keys))
+    finally:
+        await client.aclose()
+    tenants = harness.app.state.inferq.tenants
+    await tenants.ready()
+    return {"Authorization": f"Bearer {credential}", BATCH_TENANT_HEADER: tenants.key_tenant(owner_key),
+            "X-Priority": "batch"}
+
+
+@pytest.mark.parametrize("gateway_settings", [GatewaySettings(api_keys=("k1", "k2"), rate_limits="k2=1:0")])
+async def test_a_batch_line_runs_under_its_owners_limits_and_no_key_can_name_a_tenant(harness):
+    http = harness.http
+    assert (await http.post("/v1/completions", json=completion(), headers=bearer("k2"))).status_code == 200
+    check_429(await http.post("/v1/completions", json=completion(), headers=bearer("k2")), "requests")
+    tenants = harness.app.state.inferq.tenants
+    tenant_k1, tenant_k2 = tenants.key_tenant("k1"), tenants.key_tenant("k2")
+    # A client key cannot name a tenant, not even its own: 401, nothing counted or queued.
+    num_enqueued = len(harness.worker.requests)
+    for key, named in (("k1", tenant_k2), ("k2", tenant_k1), ("k2", tenant_k2)):
+        r = await http.post("/v1/completions", json=completion(), headers={**bearer(key), BATCH_TENANT_HEADER: named})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+        assert rate_headers(r) == {}
+    assert len(harness.worker.requests) == num_enqueued
+    # The batch worker's line of k2's batch: k2's bucket, already empty.
+    line_k2 = await batch_headers(harness, "k2")
+    check_429(await http.post("/v1/completions", json=completion(), headers=line_k2), "requests")
+    # A line of k1's batch runs as k1 (unlimited), in the batch class of k1's streams.
+    r = await http.post("/v1/completions", json=completion(), headers=await batch_headers(harness, "k1"))
+    assert r.status_code == 200 and rate_headers(r) == {}, r.text
+    assert harness.worker.requests[-1].priority == 2
+    probe = aioredis.from_url(harness.redis.url)
+    try:
+        streams = {m.decode() for m in await probe.smembers(harness.keys.model_streams(MODEL))}
+        assert harness.keys.class_stream(MODEL, "batch", tenant_k1) in streams
+        assert await probe.exists(harness.keys.rate_limit_key(MODEL, tenant_k2)) == 1
+    finally:
+        await probe.aclose()
+    text = harness.metrics()
+    assert f'priority_class="batch",tenant="{tenant_k1}"}} 1.0' in text
+    # The credential alone is no API key; a malformed tenant is a 400.
+    r = await http.post("/v1/completions", json=completion(), headers={"Authorization": line_k2["Authorization"]})
+    assert r.status_code == 401
+    r = await http.post("/v1/completions", json=completion(), headers={**line_k2, BATCH_TENANT_HEADER: "k2"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == BATCH_TENANT_HEADER
+
+
 # -- two gateways, one Redis ----------------------------------------------------------------
 
 async def start_gateway(settings: GatewaySettings, url: str, keys: Keys, source, tokenizer):
@@ -253,7 +321,40 @@ async def start_gateway(settings: GatewaySettings, url: str, keys: Keys, source,
     assert await app.state.inferq.relay.wait_ready(10)
     limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
     return server, task, sock, httpx.AsyncClient(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}",
-                                                  timeout=30, limits=limits)
+                                                  timeout=30, limits=limits), app
+
+
+async def stop_gateways(gateways) -> None:
+    for server, task, sock, http, _ in gateways:
+        await http.aclose()
+        server.should_exit = True
+        await task
+        sock.close()
+
+
+@pytest.mark.parametrize("tenant_secret", ["", "configured secret"])
+async def test_gateways_on_one_redis_name_a_key_alike(redis_server, source, tokenizer, tenant_secret):
+    """Two gateway processes' worth of apps: one tenant id per key, so one bucket, from
+    the secret in Redis (made once by whichever came first) or from --tenant-secret."""
+    keys = Keys(f"t{uuid.uuid4().hex[:8]}")
+    settings = GatewaySettings(rate_limits="k=1:0", tenant_secret=tenant_secret, request_timeout_s=20.0)
+    gateways = [await start_gateway(settings, redis_server.url, keys, source, tokenizer) for _ in range(2)]
+    worker = FakeWorker(redis_server.url, keys, MODEL, tokenizer)
+    await worker.start()
+    try:
+        first = await gateways[0][3].post("/v1/completions", json=completion(), headers=bearer("k"))
+        assert first.status_code == 200, first.text
+        check_429(await gateways[1][3].post("/v1/completions", json=completion(), headers=bearer("k")), "requests")
+        ids = {gw[4].state.inferq.tenants.key_tenant("k") for gw in gateways}
+        assert len(ids) == 1
+        (tenant,) = ids
+        assert tenant != hashlib.sha256(b"k").hexdigest()[:16]
+        if tenant_secret:
+            assert tenant == tenant_id(tenant_secret.encode(), "k")
+        assert f'tenant="{tenant}"' in gateways[0][4].state.metrics.render().decode()
+    finally:
+        await worker.stop()
+        await stop_gateways(gateways)
 
 
 async def test_a_burst_on_two_gateways_is_admitted_within_the_limit(redis_server, source, tokenizer):
@@ -281,8 +382,4 @@ async def test_a_burst_on_two_gateways_is_admitted_within_the_limit(redis_server
         assert {r.headers.get("x-ratelimit-limit-requests") for r in responses} == {str(limit)}
     finally:
         await worker.stop()
-        for server, task, sock, http in gateways:
-            await http.aclose()
-            server.should_exit = True
-            await task
-            sock.close()
+        await stop_gateways(gateways)

@@ -1,7 +1,7 @@
 """Client request ids (``X-Request-Id``, gateway/request_ids.py): reserved while a request
-runs (409 for a second one), free again as soon as it ends, whether it finished, failed
-on the worker or lost its client; on the wire the id carries a random suffix
-(fixtures: test_gateway_harness.py)."""
+runs (409 for a second one of the same tenant), free again as soon as it ends, whether
+it finished, failed on the worker or lost its client; each tenant's ids are its own; on
+the wire the id carries a random suffix (fixtures: test_gateway_harness.py)."""
 
 # ruff: noqa: F811 - pytest fixtures imported from the harness are redefined as parameters
 from __future__ import annotations
@@ -37,8 +37,10 @@ def gateway_settings() -> GatewaySettings:
     return GatewaySettings(request_timeout_s=300.0)
 
 
-async def post(harness, request_id: str, **extra) -> httpx.Response:
-    return await harness.http.post("/v1/completions", headers={"X-Request-Id": request_id}, json={**BODY, **extra})
+async def post(harness, request_id: str, key: str | None = None, **extra) -> httpx.Response:
+    auth = {} if key is None else {"Authorization": f"Bearer {key}"}
+    return await harness.http.post("/v1/completions", headers={"X-Request-Id": request_id, **auth},
+                                   json={**BODY, **extra})
 
 
 async def wait_for_requests(worker: FakeWorker, n: int) -> None:
@@ -71,7 +73,38 @@ async def test_id_is_409_while_in_flight_and_free_once_finished(harness) -> None
     wire_ids = [r.request_id for r in harness.worker.requests]
     assert len(wire_ids) == 2 and len(set(wire_ids)) == 2
     assert all(w.startswith("cmpl-retry-1#") for w in wire_ids)
-    assert await harness.worker.client.exists(harness.keys.request_id_key("cmpl-retry-1")) == 0
+    assert await harness.worker.client.exists(harness.keys.request_id_key("anonymous", "cmpl-retry-1")) == 0
+
+
+@pytest.mark.parametrize("gateway_settings", [GatewaySettings(api_keys=("k1", "k2"), request_timeout_s=300.0)])
+async def test_ids_are_per_tenant(harness) -> None:
+    """k2 may use an id k1 has in flight (no 409 telling k2 it exists, nothing k2 could
+    hold against k1), and each tenant still gets 409 for its own id in flight."""
+    release = asyncio.Event()
+    answers: list[asyncio.Task] = []
+
+    async def answer_on_release(req: GenerateRequest, w: FakeWorker) -> None:
+        await release.wait()
+        await answer_tokens(req, w)
+
+    async def held(req: GenerateRequest, w: FakeWorker) -> None:  # the fake worker pulls on meanwhile
+        answers.append(asyncio.create_task(answer_on_release(req, w)))
+
+    harness.worker.behavior = held
+    first_k1 = asyncio.create_task(post(harness, "shared-1", "k1"))
+    await wait_for_requests(harness.worker, 1)
+    first_k2 = asyncio.create_task(post(harness, "shared-1", "k2"))
+    await wait_for_requests(harness.worker, 2)  # enqueued: not refused
+    for key in ("k1", "k2"):
+        again = await post(harness, "shared-1", key)
+        assert again.status_code == 409 and again.json()["error"]["code"] == "duplicate_request", (key, again.text)
+    tenants = harness.app.state.inferq.tenants
+    id_keys = [harness.keys.request_id_key(tenants.key_tenant(k), "cmpl-shared-1") for k in ("k1", "k2")]
+    assert await harness.worker.client.exists(*id_keys) == 2
+    release.set()
+    for task in (first_k1, first_k2):
+        done = await task
+        assert done.status_code == 200 and done.json()["id"] == "cmpl-shared-1", done.text
 
 
 async def test_id_is_free_after_the_worker_rejects_the_request(harness) -> None:
