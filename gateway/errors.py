@@ -1,6 +1,12 @@
 """OpenAI-shaped errors: one exception type that carries the HTTP status, and the
 handlers that turn it (and FastAPI's own validation errors) into
-``{"error": {"message", "type", "param", "code"}}`` bodies."""
+``{"error": {"message", "type", "param", "code"}}`` bodies.
+
+A client that goes away before its request body is all in (Starlette's
+``ClientDisconnect``, raised by any route's body read) is an ordinary event, not a
+server error: one INFO line (``client_disconnected``), no traceback, and an answer that
+nobody receives.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import Scope
 
 log = logging.getLogger(__name__)
 
@@ -20,12 +28,19 @@ _ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "timeout_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable_error",
     504: "timeout_error",
 }
+#: Key of an HTTP scope whose body read the connection's body timeout ended
+#: (gateway/http_timeouts.py); its value is the timeout, s.
+BODY_TIMEOUT_KEY = "inferq.body_timeout_s"
+#: Status of the answer to a client that left mid-body (nginx's "client closed request"):
+#: nobody receives it; it only ends the ASGI call.
+CLIENT_CLOSED_STATUS = 499
 
 
 class OpenAIError(Exception):
@@ -91,12 +106,32 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return OpenAIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {})).response()
 
+    @app.exception_handler(ClientDisconnect)
+    async def _client_disconnected(request: Request, _: ClientDisconnect) -> JSONResponse:
+        return client_disconnected(request.scope)
+
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         return internal_error(exc)
 
 
-def internal_error(exc: Exception) -> JSONResponse:
-    """The 500 answer to an exception no handler expected; the exception is logged."""
+def internal_error(exc: Exception, scope: Scope | None = None) -> JSONResponse:
+    """The 500 answer to an exception no handler expected; the exception is logged. A
+    ``ClientDisconnect`` is no error: ``client_disconnected(scope)``."""
+    if isinstance(exc, ClientDisconnect):
+        return client_disconnected(scope or {})
     log.exception("unhandled error", exc_info=exc)
     return OpenAIError(500, f"internal error: {type(exc).__name__}").response()
+
+
+def client_disconnected(scope: Scope) -> JSONResponse:
+    """Log, in one INFO line, a client that went away (or was cut off by the body
+    timeout) before its request body was all in; the answer goes nowhere."""
+    client = scope.get("client")
+    who = f"{client[0]}:{client[1]}" if client else "an unknown address"
+    timeout_s = scope.get(BODY_TIMEOUT_KEY)
+    what = "left" if timeout_s is None else f"was cut off (no body data for {timeout_s:g} s)"
+    log.info("client %s %s before its request body was complete: %s %s", who, what, scope.get("method", "?"),
+             scope.get("path", "?"))
+    return OpenAIError(CLIENT_CLOSED_STATUS, "the client disconnected before the request body was complete",
+                       code="client_disconnected").response()

@@ -138,9 +138,10 @@ async def test_the_grammar_is_checked_on_the_encode_pool(harness, monkeypatch):
     threads = []
     real_check = gateway_structured.grammars.check
 
-    def recording_check(structured, param="response_format"):
+    def recording_check(structured, param="response_format", tokenizer=None):
         threads.append(threading.current_thread().name)
-        real_check(structured, param)
+        assert tokenizer is not None  # over the model's vocabulary, as the worker compiles it
+        real_check(structured, param, tokenizer)
 
     monkeypatch.setattr(gateway_structured.grammars, "check", recording_check)
     r = await harness.http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "guided_regex": "a+"})

@@ -4,15 +4,25 @@ Compiling (``LLMatcher(tokenizer, grammar)``) takes about a millisecond for a ty
 JSON schema on SmolLM2's vocabulary and much longer for large grammars; a deep copy of a
 compiled matcher in its start state takes microseconds (bench/structured_bench.py). So
 the cache keeps one start-state matcher per spec, least recently used out first, and
-every request gets a deep copy. The grammar text is ``shared.grammars.grammar_for``'s,
-the one the gateway validated. A JSON output's matcher also gets a deep copy of the
-number-cap grammar (``shared.grammars.number_cap_grammar``), compiled once.
+every request gets a deep copy. The grammar is built by ``shared.grammars
+.compile_matcher``, under the limits and with the probe the gateway checked it with
+(shared/grammar_check.py), so a spec the gateway let through compiles here too. A JSON
+output's matcher also gets a deep copy of the number-cap grammar
+(``shared.grammars.number_cap_grammar``), compiled once.
+
+Deep copies share their grammar's lexer: once one of them hits a lexer or parser limit
+(a grammar that passed the probe can still reach one on a path it did not force), every
+later copy would start in that error, which allows only EOS: an empty answer. So a
+matcher that fails drops its grammar from the cache (``GrammarMatcher``'s ``on_error``)
+and the next request compiles it afresh.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -23,10 +33,10 @@ from shared.grammars import (
     MAX_NUMBER_FRACTION_DIGITS,
     MAX_NUMBER_INTEGER_DIGITS,
     caps_numbers,
-    grammar_for,
+    compile_matcher,
     number_cap_grammar,
 )
-from shared.sampling import StructuredOutput
+from shared.sampling import InvalidParameter, StructuredOutput
 from worker.structured.matcher import GrammarMatcher
 
 log = logging.getLogger(__name__)
@@ -45,7 +55,9 @@ class GrammarCache:
     """Start-state ``LLMatcher``s keyed by ``StructuredOutput``, LRU-bounded.
 
     ``tokenizer`` builds the model's llguidance tokenizer (``build_tokenizer``) on the
-    first structured request, once; ``None`` for a model without a tokenizer.
+    first structured request, once; ``None`` for a model without a tokenizer. The map is
+    locked: requests are added on the worker's event loop while a step on the engine
+    thread may report a failed matcher (``forget``).
     """
 
     def __init__(self, tokenizer: Callable[[], llguidance.LLTokenizer] | None,
@@ -54,10 +66,12 @@ class GrammarCache:
         self._build_tokenizer = tokenizer
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._compiled: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
         self._number_cap: llguidance.LLMatcher | None = None  # compiled on the first JSON output
         self._ends_in_digit = b""  # per token id: 1 where the cap must be masked after it
         self.max_num_grammars = max_num_grammars
         self.num_compiled = 0  # grammars compiled since start (misses)
+        self.num_forgotten = 0  # grammars dropped because a matcher of theirs failed
 
     def __len__(self) -> int:
         return len(self._compiled)
@@ -71,31 +85,42 @@ class GrammarCache:
             InvalidGrammar: no tokenizer, a spec that does not compile, or replayed
                 tokens the grammar rejects; the message says which.
         """
-        compiled = self._compiled.get(structured)
+        with self._lock:
+            compiled = self._compiled.get(structured)
+            if compiled is not None:
+                self._compiled.move_to_end(structured)
         if compiled is None:
             compiled = self._compile(structured)
-        self._compiled.move_to_end(structured)
+        on_error = functools.partial(self.forget, structured, compiled)
         if caps_numbers(structured):
-            matcher = GrammarMatcher(compiled.deep_copy(), self._number_cap_matcher(), self._ends_in_digit)
+            matcher = GrammarMatcher(compiled.deep_copy(), self._number_cap_matcher(), self._ends_in_digit,
+                                     on_error=on_error)
         else:
-            matcher = GrammarMatcher(compiled.deep_copy())
+            matcher = GrammarMatcher(compiled.deep_copy(), on_error=on_error)
         if not matcher.replay(replay_token_ids):
             raise InvalidGrammar(f"the delivered output tokens do not match the {structured.kind}: {matcher.error}")
         return matcher
 
+    def forget(self, structured: StructuredOutput, compiled: llguidance.LLMatcher) -> None:
+        """Drop ``structured``'s grammar if it is still ``compiled``: a matcher copied from
+        it failed, and the lexer they share may be spent (module docstring)."""
+        with self._lock:
+            if self._compiled.get(structured) is compiled:
+                del self._compiled[structured]
+                self.num_forgotten += 1
+
     def _compile(self, structured: StructuredOutput) -> llguidance.LLMatcher:
+        # The probe follows forced tokens only: the gateway walked its choices too
+        # (shared/grammar_check.py), and this runs on the worker's event loop.
         try:
-            grammar = grammar_for(structured)
-        except Exception as exc:  # llguidance's GBNF converter raises a bare Exception
-            raise InvalidGrammar(f"invalid {structured.kind}: {exc}") from exc
-        # log_level 0: errors are read with get_error() and logged here, not printed by Rust.
-        compiled = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)
-        if compiled.is_error():
-            raise InvalidGrammar(f"invalid {structured.kind}: {compiled.get_error()}")
-        self.num_compiled += 1
-        self._compiled[structured] = compiled
-        if len(self._compiled) > self.max_num_grammars:
-            self._compiled.popitem(last=False)
+            compiled = compile_matcher(structured, self.tokenizer(), max_num_choices=0)
+        except InvalidParameter as exc:
+            raise InvalidGrammar(str(exc)) from exc
+        with self._lock:
+            self.num_compiled += 1
+            self._compiled[structured] = compiled
+            if len(self._compiled) > self.max_num_grammars:
+                self._compiled.popitem(last=False)
         return compiled
 
     def _number_cap_matcher(self) -> llguidance.LLMatcher:
