@@ -107,14 +107,58 @@ class ModelSource:
         return self.path is not None and (self.path / "tokenizer_config.json").exists()
 
 
-def max_model_len(config: Mapping[str, Any], requested: int) -> int:
-    """Longest prompt + output, tokens, for every part that checks or sizes it (gateway,
-    engine, sim and vLLM backends): ``requested`` (``--max-model-len``), capped by the
-    config's ``max_position_embeddings`` where the config states one. A config without
-    it sets no cap (vLLM likewise takes the requested length when the config names none).
+#: Keys of a ``config.json`` that bound the positions a model was trained for, tokens
+#: (vLLM's list, ``_get_and_verify_max_len``): the smallest one present is the limit.
+POSITION_LIMIT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                       "max_sequence_length", "max_seq_length", "seq_len")
+#: ``max_model_len`` of a config that states none of ``POSITION_LIMIT_KEYS`` when no
+#: ``--max-model-len`` is given, tokens (vLLM's default then).
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+def config_max_model_len(config: Mapping[str, Any]) -> int | None:
+    """The longest sequence ``config`` (a parsed ``config.json``) allows, tokens: the
+    smallest of its ``POSITION_LIMIT_KEYS``, times the factor of a ``linear`` rope scaling
+    (``rope_scaling``, or transformers 5's ``rope_parameters``) as vLLM does, except for
+    Gemma 3, whose ``max_position_embeddings`` includes it (vLLM's exception too; llama3
+    and yarn scalings state the scaled length already). None: the config states none."""
+    limits = [int(config[k]) for k in POSITION_LIMIT_KEYS if isinstance(config.get(k), (int, float))]
+    if not limits:
+        return None
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    factor = 1.0
+    if rope.get("rope_type", rope.get("type")) == "linear" and not str(config.get("model_type", "")).startswith(
+            "gemma3"):
+        factor = float(rope.get("factor") or 1.0)
+    return int(min(limits) * factor)
+
+
+def max_model_len(config: Mapping[str, Any], requested: int, num_kv_tokens: int | None = None) -> int:
+    """Longest prompt + output, tokens: the one rule that every part which checks or sizes
+    it applies (the gateway's fallback, the engine and its tensor-parallel ranks, the sim
+    and vLLM backends; docs/operations.md, "Limits").
+
+    ``requested`` is ``--max-model-len``; ``num_kv_tokens`` what the worker's KV cache
+    holds (blocks x block size), once it is sized (None: not known, as at the gateway).
+
+    - ``requested`` > 0: that length, capped by ``config_max_model_len`` where the config
+      states one (vLLM refuses a larger request; we keep the cap, as before). A cache
+      smaller than it does not lower it: the worker then refuses a request that needs
+      more blocks than its whole cache with a 400 that says so (vLLM refuses to start).
+    - ``requested`` == 0 (the default): ``config_max_model_len``, or
+      ``DEFAULT_MAX_MODEL_LEN`` for a config without one, capped by ``num_kv_tokens``
+      (vLLM's ``--max-model-len -1``, "auto-fit").
+
+    Raises:
+        ValueError: ``requested`` < 0 or ``num_kv_tokens`` < 1.
     """
-    limit = config.get("max_position_embeddings")
-    return requested if limit is None else min(requested, int(limit))
+    if requested < 0 or (num_kv_tokens is not None and num_kv_tokens < 1):
+        raise ValueError(f"max_model_len: requested {requested}, num_kv_tokens {num_kv_tokens}")
+    limit = config_max_model_len(config)
+    if requested:
+        return requested if limit is None else min(requested, limit)
+    length = DEFAULT_MAX_MODEL_LEN if limit is None else limit
+    return length if num_kv_tokens is None else min(length, num_kv_tokens)
 
 
 def eos_token_ids(config: Mapping[str, Any]) -> frozenset[int]:

@@ -77,7 +77,7 @@ def test_eight_concurrent_streams_equal_single_greedy(smollm_stack, offline) -> 
 def test_bad_requests_get_openai_errors(smollm_stack) -> None:
     client = openai.OpenAI(base_url=f"{smollm_stack}/v1", api_key="none", max_retries=0)
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model=MODEL, prompt="hi " * 3000, max_tokens=8)
+        client.completions.create(model=MODEL, prompt="hi " * 9000, max_tokens=8)  # max_model_len 8192
     assert "max_model_len" in str(err.value) or "context" in str(err.value).lower()
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt="hi", max_tokens=4)

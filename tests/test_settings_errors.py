@@ -21,7 +21,7 @@ INVALID = [
     (ModelSettings, "load_format", "safetensors", "must be one of auto, dummy"),
     (ModelSettings, "dtype", "fp8", "must be one of auto, float32, bfloat16, float16"),
     (ModelSettings, "device", "tpu", "must be one of auto, cpu, cuda"),
-    (ModelSettings, "max_model_len", 0, "must be at least 1"),
+    (ModelSettings, "max_model_len", -1, "must be at least 0"),
     (EngineSettings, "block_size", 0, "must be at least 1"),
     (EngineSettings, "max_num_seqs", 0, "must be at least 1"),
     (EngineSettings, "max_num_batched_tokens", -3, "must be at least 1"),
