@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.loadgen.client import sse_chunks
 from bench.procs import ROOT, cpu_s, free_port, redis_pid, spawn, start, stop, wait_for_gateway, wait_for_workers
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -122,7 +123,6 @@ class StreamResult:
 
 
 async def one_stream(client: Any, url: str, model: str, rid: str, prompt: list[int], max_tokens: int) -> StreamResult:
-    import msgspec
 
     res = StreamResult(request_id="cmpl-" + rid, prompt=prompt)
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
@@ -134,13 +134,7 @@ async def one_stream(client: Any, url: str, model: str, rid: str, prompt: list[i
             if resp.status_code != 200:
                 res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
                 return res
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = msgspec.json.decode(data)
+            async for chunk in sse_chunks(resp):
                 if "error" in chunk:
                     res.error = f"stream error: {chunk['error']}"
                     return res

@@ -7,7 +7,9 @@ import inspect
 import logging
 import os
 import secrets
+import signal
 import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -26,6 +28,7 @@ from gateway.errors import OpenAIError, install_error_handlers, internal_error
 from gateway.failover import failover_loop
 from gateway.files import install_file_routes
 from gateway.handlers import check_auth, handle_generate
+from gateway.http_timeouts import timed_protocol
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import (
     ChatCompletion,
@@ -41,6 +44,7 @@ from gateway.openapi import (
     generation_responses,
     install_openapi,
 )
+from gateway.placement import Placer
 from gateway.queue_metrics import queue_metrics_loop
 from gateway.rate_limits import RateLimiter
 from gateway.readiness import Readiness, readiness
@@ -50,6 +54,7 @@ from gateway.sse import SERVER_SEND_KEY
 from gateway.state import GatewayState
 from gateway.stats import install_stats_route
 from gateway.tasks import BackgroundTasks
+from gateway.tenants import Tenants
 from gateway.tokenize import TokenizerWorker
 from gateway.tokenizer_routes import DetokenizeRequest, TokenizeRequest, handle_detokenize, handle_tokenize
 from shared import tokenizer_loader
@@ -125,7 +130,7 @@ class GatewayApp(FastAPI):
                 except OpenAIError as exc:
                     response = exc.response()
                 except Exception as exc:  # noqa: BLE001 - as FastAPI's handler of Exception
-                    response = internal_error(exc)
+                    response = internal_error(exc, scope)
                 await response(scope, receive, send)
                 return
         await super().__call__(scope, receive, send)
@@ -152,28 +157,34 @@ def create_app(gateway: GatewaySettings, redis: RedisSettings, model: ModelSetti
         client = aioredis.from_url(redis.redis_url, socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S)
         gateway_id = app.state.gateway_id
         queue = FairQueue(client, keys, served_name)
+        placer = Placer(client, keys, served_name, gateway.dispatch_policy,  # type: ignore[arg-type]
+                        gateway.placement_max_queued_steps)
+        placer.on_refresh = metrics.set_workers
         relay = Relay(client, keys.gateway_channel(gateway_id),
                       on_orphans=lambda request_ids: state.publish_abort(request_ids, "orphaned"))
+        tenants = Tenants(client, keys, gateway)
         state = GatewayState(
             settings=gateway, model_settings=model, served_model_name=served_name, source_name=source.name,
             keys=keys, gateway_id=gateway_id, redis=client, relay=relay,
             tokenizer=TokenizerWorker(tokenizer, source.config, num_encode_threads=gateway.num_tokenizer_threads,
                                       encode_timeout_s=gateway.tokenize_timeout_s),
             metrics=metrics, tasks=BackgroundTasks(),
-            queue=queue, enqueuer=Enqueuer(queue, gateway.max_queue_len),
-            rate_limiter=RateLimiter(client, keys, served_name, gateway, metrics),
-            created_unix_s=int(time.time()),
-            max_model_len=max_model_len(source.config, model.max_model_len))
+            queue=queue, enqueuer=Enqueuer(queue, gateway.max_queue_len, placer),
+            rate_limiter=RateLimiter(client, keys, served_name, gateway, metrics, tenants), tenants=tenants,
+            created_unix_s=int(time.time()), workers=placer.view,
+            own_max_model_len=max_model_len(source.config, model.max_model_len))
         app.state.inferq = state
         relay.start()
         failover = state.tasks.spawn(failover_loop(state), name="failover")
         queue_metrics = state.tasks.spawn(queue_metrics_loop(state), name="queue-metrics")
+        placement = state.tasks.spawn(placer.refresh_loop(), name="placement-view")
         log.info("gateway %s serving %r from stream %s", gateway_id, served_name, state.stream)
         try:
             yield
         finally:
             failover.cancel()
             queue_metrics.cancel()
+            placement.cancel()
             await relay.stop()
             await state.tasks.close()
             state.tokenizer.close()
@@ -258,19 +269,22 @@ def create_app(gateway: GatewaySettings, redis: RedisSettings, model: ModelSetti
 
 
 def model_card(state: GatewayState) -> dict[str, object]:
-    """The served model as an OpenAI model object (``GET /v1/models``, ``/v1/models/{id}``)."""
+    """The served model as an OpenAI model object (``GET /v1/models``, ``/v1/models/{id}``),
+    with vLLM's ``max_model_len``: the gateway's effective value (``GatewayState.max_model_len``)."""
     return {"id": state.served_model_name, "object": "model", "created": state.created_unix_s,
             "owned_by": "inferq", "root": state.source_name, "parent": None, "max_model_len": state.max_model_len}
 
 
 def run(gateway: GatewaySettings, redis: RedisSettings, model: ModelSettings, source: ModelSource,
         *, sock: socket.socket | None = None, on_stop: Callable[[], None] | None = None,
-        batch: BatchSettings | None = None) -> None:
+        batch: BatchSettings | None = None, stop: threading.Event | None = None) -> None:
     """Serve the gateway with uvicorn until SIGINT or SIGTERM stops it (graceful shutdown
     of ``GRACEFUL_SHUTDOWN_S``), on ``sock`` (a bound TCP socket, e.g. one of several
     sharing the port: gateway/multiproc.py) or else on ``gateway.host:gateway.port``.
     ``on_stop()`` runs in the signal handler when the first stop signal comes; ``batch``
-    configures the Batch API routes (default ``BatchSettings()``). Every
+    configures the Batch API routes (default ``BatchSettings()``); ``stop``, set from any
+    thread (before the server starts, too), stops it as SIGTERM does (``inferq serve``
+    when its worker exits). Every
     response carries the header ``GATEWAY_ID_HEADER``: this process's gateway id.
 
     A stop signal ends in ``KeyboardInterrupt`` here (uvicorn raises the signal again
@@ -289,14 +303,24 @@ def run(gateway: GatewaySettings, redis: RedisSettings, model: ModelSettings, so
             super().handle_exit(sig, frame)
 
     # uvicorn's own loggers follow the level the CLI gave the root logger (--log-level).
+    # Connection timeouts: gateway/http_timeouts.py (headers, body) and uvicorn's keep-alive.
     config = uvicorn.Config(app, host=gateway.host, port=gateway.port,
                             log_level=logging.getLogger().getEffectiveLevel(),
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, access_log=gateway.access_log,
-                            headers=[(GATEWAY_ID_HEADER, app.state.gateway_id)])
+                            headers=[(GATEWAY_ID_HEADER, app.state.gateway_id)],
+                            http=timed_protocol(gateway.header_timeout_s, gateway.body_timeout_s),
+                            timeout_keep_alive=gateway.keep_alive_timeout_s)
     if sock is not None:
         host, port = sock.getsockname()[:2]
         log.info("gateway %s listening on %s:%d (pid %d)", app.state.gateway_id, host, port, os.getpid())
+    server = Server(config)
+    if stop is not None:
+        def stop_when_set() -> None:
+            stop.wait()
+            server.handle_exit(signal.SIGTERM, None)  # the event loop sees it within 0.1 s
+
+        threading.Thread(target=stop_when_set, name="gateway-stop", daemon=True).start()
     try:
-        Server(config).run(sockets=None if sock is None else [sock])
+        server.run(sockets=None if sock is None else [sock])
     except KeyboardInterrupt:
         pass

@@ -71,13 +71,18 @@ def child_params(params: SamplingParams, choice_index: int) -> SamplingParams:
 async def submit(state: GatewayState, request: Request, request_id: str, prompts: Sequence[list[int]],
                  params: Sequence[SamplingParams], n: int, stops: list[str], arrival_s: float, *,
                  poll_disconnect: bool, priority_class: str = DEFAULT_CLASS,
-                 tenant: str = ANONYMOUS_TENANT) -> list[Generation]:
+                 tenant: str = ANONYMOUS_TENANT, id_scope: str = ANONYMOUS_TENANT,
+                 session: str = "", constraint_param: str | None = None) -> list[Generation]:
     """Admit and enqueue the ``len(prompts) * n`` children of one request (``params[p]``
     for prompt ``p``), all or none; returns their ``Generation``s in choice-index order,
     each registered in the relay (which owns it) before the XADD, so no reply can be
     missed. A client's ``X-Request-Id`` travels with a random suffix
     (``gateway/request_ids.py``); ``Generation.request_id`` is a child's wire id. The
-    children go to the stream of (``priority_class``, ``tenant``).
+    children go to the stream of (``priority_class``, ``tenant``), or to the placed
+    stream of the worker that placement chooses (``gateway/placement.py``; ``session``:
+    the request's session id for affinity, "" none). ``id_scope``: the
+    caller's key tenant, whose ids the client's id is unique among. ``constraint_param``:
+    the field of its structured-output constraint (``Generation.constraint_param``).
 
     Raises:
         OpenAIError: 409 duplicate request id, 429 queue full (counting every child),
@@ -88,7 +93,7 @@ async def submit(state: GatewayState, request: Request, request_id: str, prompts
         raise OpenAIError(503, "not subscribed to the reply channel (Redis unavailable)", code="redis_unavailable")
     num_children = len(prompts) * n
     client_id = request.headers.get("x-request-id") is not None
-    id_key = state.keys.request_id_key(request_id) if client_id else None
+    id_key = state.keys.request_id_key(id_scope, request_id) if client_id else None
     wire_id = wire_request_id(request_id, client_id)
     child_ids = [wire_id] if num_children == 1 else [f"{wire_id}-{k}" for k in range(num_children)]
     deadline_s = arrival_s + state.settings.request_timeout_s
@@ -103,23 +108,28 @@ async def submit(state: GatewayState, request: Request, request_id: str, prompts
         prompt_ids, sampling = prompts[k // n], child_params(params[k // n], k % n)
         processor = OutputProcessor(tok.tokenizer, prompt_ids, stops, tok.eos_token_ids | set(sampling.stop_token_ids))
         gens.append(Generation(request_id=child_id, processor=processor, arrival_s=arrival_s, deadline_s=deadline_s,
-                               on_close=on_close, is_disconnected=request.is_disconnected if poll_disconnect else None))
+                               on_close=on_close, is_disconnected=request.is_disconnected if poll_disconnect else None,
+                               constraint_param=constraint_param))
         messages.append(GenerateRequest(
             request_id=child_id, model=state.served_model_name, prompt_token_ids=prompt_ids, sampling=sampling,
             reply_channel=state.relay.channel, deadline_unix_s=deadline_unix_s, attempt=0, created_unix_s=now_unix_s,
-            priority=rank))
+            priority=rank, tenant=tenant))
     _register(state, gens)
+    placer = state.enqueuer.placer
+    # Children of several prompts go to one stream in one script: placed by the first prompt.
+    query = placer.query(prompts[0], session) if placer is not None else None
     try:
-        entry_ids = await state.enqueuer.enqueue(stream, messages, id_key, wire_id,
-                                                 math.ceil(state.settings.request_timeout_s))
+        enqueued = await state.enqueuer.enqueue(stream, messages, id_key, wire_id,
+                                                math.ceil(state.settings.request_timeout_s), query=query)
     except BaseException:
         for gen in gens:
             state.relay.unregister(gen.request_id)
         raise
     state.metrics.prompt_tokens.labels(state.served_model_name).inc(sum(len(p) for p in prompts))
     state.metrics.requests_in_flight.labels(state.served_model_name).inc(num_children)
-    for gen, message, entry_id in zip(gens, messages, entry_ids, strict=True):
-        gen.submitted(message, entry_id, stream)
+    state.metrics.placed(enqueued.decision, num_children)
+    for gen, message, entry_id in zip(gens, messages, enqueued.entry_ids, strict=True):
+        gen.submitted(message, entry_id, enqueued.stream, class_stream=stream)
     return gens
 
 

@@ -7,8 +7,9 @@ the group's pending entries list of the request's stream) and checks the owner's
 is gone (TTL ``HEARTBEAT_TTL_S`` after a SIGKILL, at once after a drain that timed
 out) or reports the engine stalled (one step running past the worker's
 ``engine_stall_timeout_s``, ``shared/liveness.py``), one enqueue script
-(``shared/fair_queue.py``) replaces the old entry with a continuation on the same
-(class, tenant) stream: XACK + XDEL the old entry, XADD a ``GenerateRequest`` with
+(``shared/fair_queue.py``) replaces the old entry with a continuation on the request's
+(class, tenant) stream (also when the old one was on the dead worker's placed stream):
+XACK + XDEL the old entry, XADD a ``GenerateRequest`` with
 ``attempt + 1`` and ``output_token_ids`` = the tokens the client already has. Greedy output then equals an undisturbed run: the new
 worker recomputes the KV of prompt + delivered tokens and continues, numbering its
 tokens from ``len(output_token_ids)``; the request's ``Generation`` (the relay's record,
@@ -67,12 +68,16 @@ async def reenqueue(state: GatewayState, gen: Generation) -> None:
     assert old is not None and gen.entry_id is not None
     cont = msgspec.structs.replace(old, attempt=old.attempt + 1, output_token_ids=list(gen.output_ids))
     gen.attempt = cont.attempt  # from now on, entries of the replaced attempt are dropped
-    ids = await state.queue.enqueue(gen.stream or state.stream, [cont], finish_entry_id=gen.entry_id)
+    # The continuation goes to its (class, tenant) stream, for any live worker, whether
+    # the old entry sat there or on the dead worker's placed stream.
+    target = gen.class_stream or gen.stream or state.stream
+    ids = await state.queue.enqueue(target, [cont], finish_stream=gen.stream or target, finish_entry_id=gen.entry_id)
     assert ids is not None  # None only with a request-id key
     entry_id = ids[0]
     log.warning("failover of %s from %s after %d tokens (attempt %d)", gen.request_id, gen.worker_id,
                 len(gen.output_ids), cont.attempt)
     gen.resubmitted(cont, entry_id)
+    gen.stream = target
     state.metrics.failovers.labels(state.served_model_name).inc()
 
 

@@ -43,12 +43,16 @@ class Generation:
     ended the request itself (finish_reason or error), so no abort is needed.
     ``on_close(self)`` runs exactly once, from ``close()``. With ``is_disconnected``
     the output is read whole with ``result()``, else step by step with ``updates()``.
+    ``constraint_param``: the request field of its structured-output constraint (None:
+    none), named in the 400 a worker answers when the grammar fails there.
     """
 
     def __init__(self, *, request_id: str, processor: OutputProcessor, arrival_s: float, deadline_s: float,
                  on_close: Callable[[Generation], None],
-                 is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> None:
+                 is_disconnected: Callable[[], Awaitable[bool]] | None = None,
+                 constraint_param: str | None = None) -> None:
         self.request_id = request_id
+        self.constraint_param = constraint_param
         self.processor = processor
         self.arrival_s = arrival_s
         self.deadline_s = deadline_s
@@ -67,6 +71,7 @@ class Generation:
         # (from its last token batch) and the output token ids received so far.
         self.message: GenerateRequest | None = None
         self.stream = ""
+        self.class_stream = ""
         self.entry_id: bytes | None = None
         self.worker_id: str | None = None
         self.output_ids: list[int] = []
@@ -83,9 +88,13 @@ class Generation:
         self._closed = False
 
     # -- the queue side -------------------------------------------------------------
-    def submitted(self, message: GenerateRequest, entry_id: bytes, stream: str = "") -> None:
-        """Record the queued request, its stream and entry id; the deadline starts to count."""
+    def submitted(self, message: GenerateRequest, entry_id: bytes, stream: str = "", class_stream: str = "") -> None:
+        """Record the queued request, the stream that holds its entry (a worker's placed
+        stream, or its (class, tenant) stream), that (class, tenant) stream
+        (``class_stream``, default ``stream``: where a failover continuation goes) and
+        the entry id; the deadline starts to count."""
         self.message, self.entry_id, self.stream = message, entry_id, stream
+        self.class_stream = class_stream or stream
         if self._deadline is None and not self._closed:
             delay_s = max(0.0, self.deadline_s - time.monotonic())
             self._deadline = asyncio.get_running_loop().call_later(delay_s, self._expire)
@@ -141,11 +150,14 @@ class Generation:
 
     def worker_failed(self, error: ErrorMessage) -> bool:
         """The worker ended the request with ``error``; False when it was dropped as one
-        of an older attempt."""
+        of an older attempt. A 400 of a constrained request names ``constraint_param``:
+        the gateway checked everything else a worker refuses with a 400 (its grammar
+        failing at admission or mid-generation, worker/service.py)."""
         if error.attempt < self.attempt:
             return False
         self.worker_done = True
-        self.fail(OpenAIError(error.status, error.message))
+        param = self.constraint_param if error.status == 400 else None
+        self.fail(OpenAIError(error.status, error.message, param=param))
         return True
 
     def fail(self, error: OpenAIError) -> None:

@@ -13,7 +13,6 @@ XADD (503). docs/operations.md, "Limits", lists every limit.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import re
 import secrets
@@ -25,6 +24,7 @@ from fastapi.responses import Response
 from gateway.choices import Choice, full_response, submit
 from gateway.errors import OpenAIError
 from gateway.logprobs import LogprobsFormatter
+from gateway.placement import session_of
 from gateway.priority import request_class
 from gateway.rate_limits import RATE_LIMIT_CODE
 from gateway.responses import ResponseShape
@@ -37,7 +37,7 @@ from gateway.schemas import (
 )
 from gateway.sse import ChoicesStream
 from gateway.state import GatewayState
-from gateway.tenants import bearer_token, tenant_of
+from gateway.tenants import check_key, identify, tenant_of
 from gateway.tokenize import check_prompt_tokens
 from gateway.tool_formats import tool_format_for_template
 from gateway.tool_parser import ToolCallStream
@@ -51,22 +51,10 @@ _REJECT_REASONS = {400: "invalid_request", 401: "unauthorized", 404: "unknown_mo
 
 
 def check_auth(state: GatewayState, request: Request) -> None:
-    """Raises OpenAIError 401 unless the bearer token is one of ``api_keys`` (no keys: open).
-
-    Compares UTF-8 bytes in constant time (``hmac.compare_digest`` raises TypeError on a
-    ``str`` with non-ASCII characters); a missing, malformed or non-ASCII credential is a
-    401, never a 500.
-    """
-    keys = state.settings.api_keys
-    if not keys:
-        return
-    token = bearer_token(request)
-    given = token.encode("utf-8", "surrogateescape")
-    valid = token.isascii() and token != ""
-    # Every key is compared, so the time does not say which one nearly matched.
-    matches = [hmac.compare_digest(given, k.encode("utf-8", "surrogateescape")) for k in keys]
-    if not (valid and any(matches)):
-        raise OpenAIError(401, "invalid or missing API key", code="invalid_api_key")
+    """Raises OpenAIError 401 unless the bearer token is one of ``api_keys`` or
+    ``admin_api_keys`` (no ``api_keys``: open): ``gateway.tenants.check_key``. Routes
+    that need to know who calls use ``gateway.tenants.identify``."""
+    check_key(state.settings, request)
 
 
 async def read_body(request: Request, max_body_bytes: int) -> bytes:
@@ -116,7 +104,7 @@ async def handle_generate(state: GatewayState, request: Request, *, chat: bool) 
     rate_headers: dict[str, str] = {}  # x-ratelimit-* once the tenant's limits admitted the request
     queue_labels: tuple[str, str] | None = None  # (class, tenant label) once the class is known
     try:
-        check_auth(state, request)
+        caller = await identify(state.settings, state.tenants, request, batch_allowed=True)
         body = await read_body(request, state.settings.max_body_bytes)
         req: CompletionRequest | ChatCompletionRequest = parse_body(
             ChatCompletionRequest if chat else CompletionRequest, body)
@@ -144,18 +132,21 @@ async def handle_generate(state: GatewayState, request: Request, *, chat: bool) 
                 echoes = await prompt_texts(state, req.prompts, prompts)
         constraint = req.constraint()
         structured = None if constraint is None else await state.tokenizer.run_blocking(
-            constraint.build, param=constraint.param, action="checking", code="structured_output_timeout")
+            constraint.build, state.tokenizer, param=constraint.param, action="checking",
+            code="structured_output_timeout")
         params = [req.sampling_params(m, vocab_size=state.tokenizer.vocab_size, structured=structured)
                   for m in max_tokens]
         n = req.num_choices
         priority_class = request_class(request, req.priority)
-        tenant = tenant_of(request, req.user, state.settings)
+        tenant = tenant_of(request, req.user, state.settings, caller.key_tenant)
         queue_labels = (priority_class, state.metrics.tenant_label(tenant))
         # Every child reserves its prompt and max_tokens (docs/operations.md, "Rate limits and tenants").
         rate_headers = await state.rate_limiter.admit(
-            request, req.user, n * sum(len(p) + m for p, m in zip(prompts, max_tokens, strict=True)))
+            tenant, caller.key_tenant, n * sum(len(p) + m for p, m in zip(prompts, max_tokens, strict=True)))
         gens = await submit(state, request, request_id, prompts, params, n, req.stop_strings, arrival_s,
-                            poll_disconnect=not req.stream, priority_class=priority_class, tenant=tenant)
+                            poll_disconnect=not req.stream, priority_class=priority_class, tenant=tenant,
+                            id_scope=caller.key_tenant, session=session_of(request, req.user, state.settings),
+                            constraint_param=None if constraint is None else constraint.param)
     except OpenAIError as exc:
         state.metrics.rejected("rate_limited" if exc.code == RATE_LIMIT_CODE
                                else _REJECT_REASONS.get(exc.status, str(exc.status)))

@@ -19,9 +19,13 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from gateway.placement import PlacementDecision
+    from shared.protocol import WorkerStatus
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                       10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -92,6 +96,22 @@ class GatewayMetrics:
                                       "Requests refused after their class was known (rate limit, queue full, ...), "
                                       "per priority class and tenant", labels + ["priority_class", "tenant"],
                                       registry=r)
+        self.placements = Counter("inferq:placements",
+                                  "Requests placed at enqueue, per worker (\"shared\": the shared stream) and "
+                                  "reason (cache, load, session, random, shared)",
+                                  labels + ["worker", "reason"], registry=r)
+        self.placed_cached_tokens = Counter("inferq:placed_cached_tokens",
+                                            "Prompt tokens expected cached on the worker a request was placed on",
+                                            labels + ["worker"], registry=r)
+        self.worker_waiting_prefill_tokens = Gauge(
+            "inferq:worker_waiting_prefill_tokens",
+            "Per worker: prompt tokens it holds uncomputed, from its heartbeat", labels + ["worker"], registry=r)
+        self.worker_running = Gauge("inferq:worker_num_running", "Per worker: running requests, from its heartbeat",
+                                    labels + ["worker"], registry=r)
+        self.worker_prefix_cache_hit_rate = Gauge(
+            "inferq:worker_prefix_cache_hit_rate",
+            "Per worker: prefix-cache hits / queries (tokens) since it started, from its heartbeat",
+            labels + ["worker"], registry=r)
         self._tenant_labels: set[str] = set()
         self.queue_metrics_errors = Counter("inferq:queue_metrics_errors",
                                             "Failed refreshes of the queue gauges (Redis unreachable)",
@@ -153,6 +173,28 @@ class GatewayMetrics:
         for (priority_class, tenant), (waiting, oldest_s) in shown.items():
             self.tenant_queue_depth.labels(name, priority_class, tenant).set(waiting)
             self.tenant_oldest_wait.labels(name, priority_class, tenant).set(oldest_s)
+
+    def placed(self, decision: PlacementDecision | None, num_requests: int = 1) -> None:
+        """Count ``num_requests`` enqueued with ``decision`` (None: no placement was made)."""
+        if decision is None:
+            self.placements.labels(self.model_name, "shared", "shared").inc(num_requests)
+            return
+        worker = decision.placement.worker_id or "shared"
+        self.placements.labels(self.model_name, worker, decision.reason).inc(num_requests)
+        if decision.num_cached_tokens:
+            self.placed_cached_tokens.labels(self.model_name, worker).inc(decision.num_cached_tokens * num_requests)
+
+    def set_workers(self, workers: Sequence[WorkerStatus]) -> None:
+        """Set the per-worker gauges from the ready workers' heartbeats (workers that left
+        are dropped)."""
+        for gauge in (self.worker_waiting_prefill_tokens, self.worker_running, self.worker_prefix_cache_hit_rate):
+            gauge.clear()
+        for w in workers:
+            self.worker_waiting_prefill_tokens.labels(self.model_name, w.worker_id).set(w.num_waiting_prefill_tokens)
+            self.worker_running.labels(self.model_name, w.worker_id).set(w.num_running)
+            if w.prefix_cache_queries:
+                self.worker_prefix_cache_hit_rate.labels(self.model_name, w.worker_id).set(
+                    w.prefix_cache_hits / w.prefix_cache_queries)
 
     def render(self) -> bytes:
         """The registry in Prometheus text exposition format."""

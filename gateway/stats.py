@@ -34,6 +34,9 @@ class WorkerStats:
     ``last_step_age_s``: seconds since its last engine step completed (None: no step yet).
     ``heartbeat_age_s``: seconds since it last wrote its heartbeat. A heartbeat that does
     not decode shows as ``worker_id`` = its key, ``model`` "?" and zero counts.
+    Placement's view of it: ``num_waiting_prefill_tokens`` (prompt tokens it holds
+    uncomputed), ``prefix_cache_hit_rate`` (hits / queries in tokens since it started;
+    None before its first lookup), ``block_size`` and ``max_model_len`` (tokens).
     """
 
     worker_id: str
@@ -49,6 +52,10 @@ class WorkerStats:
     num_steps: int
     last_step_age_s: float | None
     heartbeat_age_s: float
+    num_waiting_prefill_tokens: int = 0
+    prefix_cache_hit_rate: float | None = None
+    block_size: int = 0
+    max_model_len: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +129,9 @@ def _worker(w: WorkerInfo, now_unix_s: float) -> WorkerStats:
         num_running=st.num_running, num_waiting=st.num_waiting, kv_usage=st.kv_usage,
         num_free_blocks=st.num_free_blocks, max_num_seqs=st.max_num_seqs, num_steps=st.num_steps,
         last_step_age_s=now_unix_s - st.last_step_unix_s if st.last_step_unix_s else None,
-        heartbeat_age_s=w.heartbeat_age_s)
+        heartbeat_age_s=w.heartbeat_age_s, num_waiting_prefill_tokens=st.num_waiting_prefill_tokens,
+        prefix_cache_hit_rate=st.prefix_cache_hits / st.prefix_cache_queries if st.prefix_cache_queries else None,
+        block_size=st.block_size, max_model_len=st.max_model_len)
 
 
 def build_stats(state: GatewayState, snap: QueueSnapshot, batches: dict[str, int]) -> Stats:

@@ -13,10 +13,13 @@ import dataclasses
 import inspect
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import typing
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -138,7 +141,8 @@ def serve(model: ModelSettings, engine: EngineSettings, redis_settings: RedisSet
     process, one batch worker (Batch API jobs) and --gateway-workers gateway processes
     on one port (serve itself and N-1 children). SIGTERM and SIGINT (Ctrl-C) stop them all in order (the gateways, then
     the worker drains, then Redis) and exit 0; the children also exit by themselves if
-    serve is killed."""
+    serve is killed. A worker that exits unasked (it could not start, or it died) stops
+    the rest the same way, and serve exits with status 1 after printing why."""
     from gateway.app import run as run_gateway
     from gateway.multiproc import start_gateway, terminate
     from shared.embedded_redis import EmbeddedRedis
@@ -153,6 +157,11 @@ def serve(model: ModelSettings, engine: EngineSettings, redis_settings: RedisSet
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     embedded = None
     child = None
+    # The worker's exit unasked stops the gateway (``stop``); ``stopping``: serve stops it itself.
+    stop, stopping = threading.Event(), threading.Event()
+    worker_exit: list[int] = []  # its status, once it exited unasked
+    reason_dir = tempfile.mkdtemp(prefix="inferq-serve-")
+    reason_path = os.path.join(reason_dir, "worker-exit")
     gateways: list[subprocess.Popen[bytes]] = []
     batch_child: subprocess.Popen[bytes] | None = None
     try:
@@ -165,37 +174,80 @@ def serve(model: ModelSettings, engine: EngineSettings, redis_settings: RedisSet
             log.info("embedded Redis at %s", embedded.url)
         env = {**os.environ, **settings_env(model, engine, redis_settings, worker)}
         # From the main thread: the children's parent-death signal follows the forking thread.
-        child = subprocess.Popen([sys.executable, "-m", "shared.cli", "worker", "--parent-pid", str(os.getpid())],
-                                 env=env)
+        child = subprocess.Popen([sys.executable, "-m", "shared.cli", "worker", "--parent-pid", str(os.getpid()),
+                                  "--exit-reason-file", reason_path], env=env)
+        threading.Thread(target=_watch_worker, args=(child, stopping, stop, worker_exit), name="serve-worker-watch",
+                         daemon=True).start()
         port = listeners[0].getsockname()[1]
         batch_child = _start_batch_worker(batch, redis_settings, gateway, port)
         gateway_env = {**os.environ, **settings_env(model, redis_settings, gateway, batch)}
         for sock in listeners[1:]:
             gateways.append(start_gateway(sock, gateway_env))
         announce_when_ready(gateway.host, port)  # logs "inferq ready: URL" once a worker is ready
-        # Returns once a signal has stopped it; that signal stops the other gateways at once.
+        # Returns once a signal (or the worker's exit: ``stop``) has stopped it; that stops the
+        # other gateways at once.
         run_gateway(gateway, redis_settings, model, source, sock=listeners[0], on_stop=lambda: terminate(gateways),
-                    batch=batch)
+                    batch=batch, stop=stop)
     except KeyboardInterrupt:  # a signal before or after uvicorn's own handling
         pass
     finally:
+        stopping.set()
         if batch_child is not None:  # first: it sends to the gateways (its batches resume later)
             _stop("batch worker", [batch_child], GATEWAY_EXIT_MARGIN_S, [])
         _stop_children(gateways, child, embedded, worker.drain_timeout_s + SERVE_WORKER_EXIT_MARGIN_S)
+        reason = _read_reason(reason_path)
+        shutil.rmtree(reason_dir, ignore_errors=True)
+    if worker_exit:
+        stopped = "the gateway and Redis" if embedded is not None else "the gateway"
+        typer.echo(f"Error: {_worker_exit_text(worker_exit[0], reason)}; stopped {stopped}", err=True)
+        raise typer.Exit(1)
+
+
+def _watch_worker(child: subprocess.Popen[bytes], stopping: threading.Event, stop: threading.Event,
+                  worker_exit: list[int]) -> None:
+    """serve's watch on its worker (a daemon thread): when ``child`` exits before serve
+    stops it (``stopping`` not set), record its status in ``worker_exit`` and set
+    ``stop``, which stops the gateway as SIGTERM does (``gateway.app.run``)."""
+    status = child.wait()
+    if not stopping.is_set():
+        worker_exit.append(status)
+        log.error("worker %d exited unasked (status %d): stopping", child.pid, status)
+        stop.set()
+
+
+def _read_reason(path: str) -> str:
+    """The worker's one-line start-up failure (``--exit-reason-file``), or "" when it wrote none."""
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _worker_exit_text(status: int, reason: str) -> str:
+    """Why serve's worker is gone, in words: its exit ``status`` (negative: the signal
+    that killed it, as ``Popen.returncode``) and its one-line ``reason`` (may be empty)."""
+    if status < 0:
+        try:
+            how = f"was killed by {signal.Signals(-status).name}"
+        except ValueError:
+            how = f"was killed by signal {-status}"
+    else:
+        how = f"exited with status {status}"
+    return f"the worker {how}" + (f": {reason}" if reason else "")
 
 
 def _start_batch_worker(batch: BatchSettings, redis_settings: RedisSettings, gateway: GatewaySettings,
                         port: int) -> subprocess.Popen[bytes]:
     """Start serve's batch worker (``inferq batch-worker``), sending lines to serve's own
-    gateway (on loopback when it listens on a wildcard address) with its first API key,
-    unless --batch-gateway-url / --batch-api-key say otherwise."""
+    gateway (on loopback when it listens on a wildcard address) unless
+    --batch-gateway-url says otherwise. It authenticates with the batch credential
+    (``shared/server_secret.py``), not with an API key."""
     from shared.serve_ready import http_url
 
     if batch.batch_gateway_url == BatchSettings().batch_gateway_url:
         host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(gateway.host, gateway.host)
         batch = dataclasses.replace(batch, batch_gateway_url=http_url(host, port))
-    if not batch.batch_api_key and gateway.api_keys:
-        batch = dataclasses.replace(batch, batch_api_key=gateway.api_keys[0])
     env = {**os.environ, **settings_env(redis_settings, batch)}
     return subprocess.Popen([sys.executable, "-m", "shared.cli", "batch-worker", "--parent-pid", str(os.getpid())],
                             env=env)
@@ -216,7 +268,8 @@ def _stop_children(gateways: list[subprocess.Popen[bytes]], worker: subprocess.P
     try:
         _stop("gateway", gateways, GRACEFUL_SHUTDOWN_S + GATEWAY_EXIT_MARGIN_S, signals)
         if worker is not None:
-            log.info("stopping: worker %d drains (at most %.0f s), then Redis", worker.pid, worker_wait_s)
+            if worker.poll() is None:
+                log.info("stopping: worker %d drains (at most %.0f s), then Redis", worker.pid, worker_wait_s)
             _stop("worker", [worker], worker_wait_s, signals)
         if embedded is not None:
             embedded.close()
@@ -295,11 +348,15 @@ def gateway_cmd(model: ModelSettings, redis_settings: RedisSettings, gateway: Ga
 @settings_command("worker", ModelSettings, EngineSettings, RedisSettings, WorkerSettings, extra=(
     inspect.Parameter("parent_pid", inspect.Parameter.KEYWORD_ONLY, annotation=int, default=typer.Option(
         0, "--parent-pid", hidden=True, help="Exit when this process (the serve that started the worker) dies")),
+    _option("exit_reason_file", str, "", "--exit-reason-file", hidden=True,
+            help="Also write why the worker could not start (one line) to this file (serve shows it)"),
 ))
 def worker_cmd(model: ModelSettings, engine: EngineSettings, redis_settings: RedisSettings,
-               worker: WorkerSettings, parent_pid: int) -> None:
+               worker: WorkerSettings, parent_pid: int, exit_reason_file: str) -> None:
     """Run one worker: pull requests of the model's stream into the engine. SIGTERM
-    drains (finish held requests, then exit 0)."""
+    drains (finish held requests, then exit 0). A worker that cannot start (a model that
+    does not load, settings that do not fit it) prints one line, ``inferq worker:
+    <reason>``, and exits with status 1."""
     import asyncio
 
     if parent_pid:
@@ -308,10 +365,16 @@ def worker_cmd(model: ModelSettings, engine: EngineSettings, redis_settings: Red
         # SIGKILL, not SIGTERM's drain: with serve gone its gateway cannot deliver what the
         # worker would finish, and a stuck step or thread cannot delay the exit.
         exit_with_parent(parent_pid, signal.SIGKILL)
-    from worker.main import serve_worker
+    from worker.main import WorkerStartError, serve_worker
 
     try:
         asyncio.run(serve_worker(worker, redis_settings, model, engine))
+    except WorkerStartError as exc:
+        typer.echo(f"inferq worker: {exc}", err=True)
+        if exit_reason_file:
+            with open(exit_reason_file, "w") as f:
+                f.write(f"{exc}\n")
+        raise typer.Exit(1) from None
     except (KeyboardInterrupt, asyncio.CancelledError):
         pass
 

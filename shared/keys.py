@@ -10,16 +10,24 @@ deployments can share one Redis. The TTLs that go with some keys live here too.
 | ``{ns}:{model}:queues`` | set of the model's stream keys | gateway (enqueue script), workers (base stream) | workers (reap), admission depth, ``inferq queues`` |
 | ``{ns}:{model}:active:{class}`` | sorted set: streams with waiting entries, scored by their tenant's virtual token counter | enqueue script (join), pull script (charge, leave) | pull script, ``inferq queues`` |
 | ``{ns}:{model}:doorbell`` | list (at most ``DOORBELL_MAX_RINGS``) | enqueue script (RPUSH) | idle workers (BLPOP), pull script (DEL when all is taken) |
+| ``{ns}:{model}:placed:{worker_id}:{class}`` | stream: requests the gateway placed on one worker, per class | gateway (enqueue script) | that worker first (pull script), an idle worker after ``steal_after_ms``, any live worker once it is dead |
+| ``{ns}:{model}:doorbell:{worker_id}`` | list: rings for one worker's placed streams | enqueue script (RPUSH) | that worker (BLPOP, beside the model's doorbell) |
+| ``{ns}:{model}:placed-tokens`` | hash: worker id -> prefill tokens waiting in its placed streams | enqueue script (HINCRBY), pull script (HINCRBY -) | gateways (placement) |
+| ``{ns}:{model}:load`` | hash: worker id -> prompt tokens it holds uncomputed | that worker (HSET in its step pipeline, when changed) | gateways (placement script) |
+| ``{ns}:{model}:kv:{worker_id}`` | set of 16-byte block hashes (``shared/block_hashes.py``) one worker's prefix cache holds | that worker (KV events: SADD stored, SREM removed, per step), gateways (SADD a placed prompt's blocks) | gateways (placement script) |
 | ``{ns}:gateway:{gateway_id}`` | pub/sub channel | workers (token/error messages) | the gateway that owns the requests |
 | ``{ns}:control`` | pub/sub channel | gateways (aborts) | every worker |
 | ``{ns}:{model}:arrivals`` | pub/sub channel: ``<class rank>:<tenant>`` of each request queued in a class above the lowest | enqueue script (PUBLISH) | workers of the model (``worker/engine/arrivals.py``) |
 | ``{ns}:worker:{worker_id}`` | string with TTL | worker (heartbeat + status) | gateways, ``inferq queues`` |
-| ``{ns}:request-id:{request_id}`` | string with TTL | gateway (SET NX with the XADD; DEL when the request ends) | gateways (duplicate check) |
+| ``{ns}:request-id:{tenant}:{request_id}`` | string with TTL | gateway (SET NX with the XADD; DEL when the request ends) | gateways (duplicate check, per key tenant) |
+| ``{ns}:server-secret`` | string (64 hex characters), set once (SET NX) | the first gateway or batch worker that needs it | gateways (tenant ids, the batch credential), batch workers (``shared/server_secret.py``) |
 | ``{ns}:{model}:rate-limit:{tenant}`` | hash with TTL | gateways (one Lua script: gateway/rate_limits.py) | the same script |
 | ``{ns}:file:{file_id}`` | string (JSON file object) | gateway (upload), batch worker (output files) | gateways |
 | ``{ns}:files`` | sorted set (file id by creation time) | as above | gateways (``GET /v1/files``) |
+| ``{ns}:files:owner:{tenant}`` | sorted set: the files of one owner (key tenant) | as above | gateways (``GET /v1/files`` of a non-admin key) |
 | ``{ns}:batch:{batch_id}`` | hash (batch object fields, JSON values) | gateway (create, cancel), batch worker | gateways, batch workers |
 | ``{ns}:batches`` / ``{ns}:batches:active`` | sorted set / set of batch ids | gateway (create), batch worker (active: removed when done) | gateways (list), batch workers (resume) |
+| ``{ns}:batches:owner:{tenant}`` | sorted set: the batches of one owner (key tenant) | gateway (create) | gateways (``GET /v1/batches`` of a non-admin key) |
 | ``{ns}:batch:{batch_id}:results`` | hash (custom_id -> result line) | batch worker (HSETNX: one result per line) | batch worker (resume, output files) |
 | ``{ns}:batch:{batch_id}:lease`` | string with TTL | the batch worker running the batch | batch workers (resume) |
 | ``{ns}:batch:{batch_id}:resumed`` | string with TTL | batch workers (``resume_batches``) | batch workers (one resume job at a time) |
@@ -82,6 +90,37 @@ class Keys:
         """List that idle workers of ``model`` block on (BLPOP): one ring per enqueue."""
         return f"{self.namespace}:{model}:doorbell"
 
+    def placed_stream(self, model: str, worker_id: str, priority_class: str) -> str:
+        """Stream of the requests of class ``priority_class`` that gateways placed on
+        worker ``worker_id`` (``gateway/placement.py``); read by the consumer group
+        ``workers`` like every request stream (docs/architecture.md, "Placement")."""
+        return f"{self.namespace}:{model}:placed:{worker_id}:{priority_class}"
+
+    def placed_prefix(self, model: str) -> str:
+        """What every ``placed_stream`` of ``model`` starts with (then ``{worker_id}:{class}``)."""
+        return f"{self.namespace}:{model}:placed:"
+
+    def worker_doorbell(self, model: str, worker_id: str) -> str:
+        """List that worker ``worker_id`` blocks on beside ``doorbell``: one ring per
+        request placed on it."""
+        return f"{self.namespace}:{model}:doorbell:{worker_id}"
+
+    def placed_tokens(self, model: str) -> str:
+        """Hash worker id -> prefill tokens waiting (undelivered) in its placed streams."""
+        return f"{self.namespace}:{model}:placed-tokens"
+
+    def worker_load(self, model: str) -> str:
+        """Hash worker id -> the prompt tokens it holds uncomputed (its engine's
+        ``num_waiting_prefill_tokens``), written in each step's publish pipeline when it
+        changed: placement's load, fresher than the heartbeat's."""
+        return f"{self.namespace}:{model}:load"
+
+    def kv_index(self, model: str, worker_id: str) -> str:
+        """Set of the block hashes (``shared/block_hashes.py``, 16 bytes each) that worker
+        ``worker_id`` holds in its prefix cache, as its KV events say, plus those of
+        prompts placed on it that it has not computed yet."""
+        return f"{self.namespace}:{model}:kv:{worker_id}"
+
     def arrivals_channel(self, model: str) -> str:
         """Pub/sub channel on which the enqueue script announces each request of ``model``
         queued in a class above the lowest: ``<class rank>:<tenant>``, as text."""
@@ -99,11 +138,17 @@ class Keys:
         """Heartbeat key of one worker; its value is an encoded ``WorkerStatus``."""
         return f"{self.namespace}:worker:{worker_id}"
 
-    def request_id_key(self, request_id: str) -> str:
-        """Marks a client-supplied request id as in flight (value: the request's wire id)
-        until the request ends, at most for the request's timeout: the same id does not
-        run twice at once (``gateway/request_ids.py``)."""
-        return f"{self.namespace}:request-id:{request_id}"
+    def request_id_key(self, tenant: str, request_id: str) -> str:
+        """Marks a client-supplied request id of key tenant ``tenant`` as in flight (value:
+        the request's wire id) until the request ends, at most for the request's timeout:
+        the same id does not run twice at once for one tenant, and tenants' ids never meet
+        (``gateway/request_ids.py``). ``tenant`` holds no ``:`` (16 hex characters or
+        ``anonymous``), so the part after it is the id."""
+        return f"{self.namespace}:request-id:{tenant}:{request_id}"
+
+    def server_secret(self) -> str:
+        """The deployment's random secret, set once with SET NX (``shared/server_secret.py``)."""
+        return f"{self.namespace}:server-secret"
 
     def rate_limit_key(self, model: str, tenant: str) -> str:
         """Token buckets of one tenant for ``model`` (fields ``r``, ``t``: requests and
@@ -120,16 +165,24 @@ class Keys:
         return f"{self.namespace}:file:{file_id}"
 
     def files_index(self) -> str:
-        """Sorted set of every file id, scored by creation time (unix seconds)."""
+        """Sorted set of every file id, scored by creation time (unix seconds, fractional)."""
         return f"{self.namespace}:files"
+
+    def owner_files(self, owner: str) -> str:
+        """Sorted set of the file ids of owner ``owner`` (a key tenant), scored by creation time."""
+        return f"{self.namespace}:files:owner:{owner}"
 
     def batch_key(self, batch_id: str) -> str:
         """Hash of one batch's object fields, each value JSON (``shared/batch_store.py``)."""
         return f"{self.namespace}:batch:{batch_id}"
 
     def batches_index(self) -> str:
-        """Sorted set of every batch id, scored by creation time (unix seconds)."""
+        """Sorted set of every batch id, scored by creation time (unix seconds, fractional)."""
         return f"{self.namespace}:batches"
+
+    def owner_batches(self, owner: str) -> str:
+        """Sorted set of the batch ids of owner ``owner`` (a key tenant), scored by creation time."""
+        return f"{self.namespace}:batches:owner:{owner}"
 
     def active_batches(self) -> str:
         """Set of the batch ids not yet in a final status (the batch worker resumes them)."""

@@ -48,6 +48,10 @@ class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True):
     classes"): the engine admits waiting requests in (priority, arrival) order and
     preempts running ones of a strictly higher number to fit a lower one. Defaults to
     0, so an entry from a build without it decodes unchanged.
+
+    ``tenant`` is the request's tenant (``gateway/tenants.py``): the unit of fair share
+    and rate limits. A request on a (class, tenant) stream also has it in the stream's
+    name; one placed on a worker's own stream (``Keys.placed_stream``) only here.
     """
 
     request_id: str
@@ -60,6 +64,7 @@ class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True):
     created_unix_s: float = 0.0
     output_token_ids: list[int] = []
     priority: int = 0
+    tenant: str = ""
     v: int = PROTOCOL_VERSION
 
 
@@ -145,6 +150,13 @@ class WorkerStatus(msgspec.Struct, tag="status", kw_only=True):
     skew between hosts enters the stall rule; ``engine_stall_timeout_s`` is the worker's
     own limit for one step (0: never judged stalled). All four default to 0, so a status
     from a build without them decodes and reads as never stalled.
+
+    What placement reads (``gateway/placement.py``): ``num_waiting_prefill_tokens``, the
+    prompt tokens of the requests it holds that are not computed yet (cache hits left
+    out); ``num_blocks`` (KV-cache size, blocks); ``max_num_batched_tokens``;
+    ``prefix_cache_queries`` / ``prefix_cache_hits`` (tokens looked up / found since
+    start). ``max_model_len`` (tokens) is the longest prompt + output it runs: gateways
+    use the ready workers' value. 0 in a status from a build without them.
     """
 
     worker_id: str
@@ -163,6 +175,12 @@ class WorkerStatus(msgspec.Struct, tag="status", kw_only=True):
     last_step_unix_s: float = 0.0
     step_running_s: float = 0.0
     engine_stall_timeout_s: float = 0.0
+    num_waiting_prefill_tokens: int = 0
+    num_blocks: int = 0
+    max_num_batched_tokens: int = 0
+    max_model_len: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     v: int = PROTOCOL_VERSION
 
     @property

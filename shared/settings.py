@@ -77,7 +77,9 @@ class ModelSettings:
     dtype: str = field(default="auto", metadata=_doc(
         "auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16"))
     device: str = field(default="auto", metadata=_doc("auto | cpu | cuda"))
-    max_model_len: int = field(default=2048, metadata=_doc("Longest prompt + output, tokens"))
+    max_model_len: int = field(default=0, metadata=_doc(
+        "Longest prompt + output, tokens (0: what the model's config allows, capped by what the KV cache holds; "
+        "a gateway takes its ready workers' value: docs/operations.md, \"Limits\")"))
     model_cache_dir: str = field(default="", metadata=_doc(
         "Where converted models are cached (default ~/.cache/inferq/models)"))
     seed: int = field(default=0, metadata=_doc("Seed for dummy weights and unseeded sampling"))
@@ -91,7 +93,7 @@ class ModelSettings:
         _require_one_of(self, "dtype", ("auto", "float32", "bfloat16", "float16"))
         _require_one_of(self, "device", ("auto", "cpu", "cuda"))
         _require_one_of(self, "quantization", ("none", "fp8"))
-        _require_at_least(self, "max_model_len", 1)
+        _require_at_least(self, "max_model_len", 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +134,11 @@ class EngineSettings:
         "Intra-op threads on CPU (0: OMP_NUM_THREADS if set, else every core)"))
     sim_step_time_ms: float = field(default=20.0, metadata=_doc(
         "Step time of the model-free `sim` backend, ms (one token per running request per step)"))
+    # 0.02 ms: a 2,000-token prompt computed in full adds 40 ms to the default 20-ms step, so
+    # a step that prefills it takes 3x one whose prompt was cached (clearly visible, short
+    # enough for CI).
+    sim_prefill_ms_per_token: float = field(default=0.02, metadata=_doc(
+        "What each uncached prompt token adds to a `sim` step, ms (its prefix cache makes cached ones free)"))
     speculative_method: str = field(default="off", metadata=_doc(
         "Speculative decoding: off | ngram (prompt lookup) | draft (a small model, --speculative-model; "
         "docs/architecture.md, \"Speculative decoding\")"))
@@ -170,6 +177,7 @@ class EngineSettings:
         _require_one_of(self, "attention_backend", ("auto", "torch", "cpu", "triton"))
         _require_one_of(self, "kv_cache_dtype", ("auto", "fp8"))
         _require_at_least(self, "sim_step_time_ms", 0.0)
+        _require_at_least(self, "sim_prefill_ms_per_token", 0.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +198,13 @@ class GatewaySettings:
     api_keys: tuple[str, ...] = field(default=(), metadata={
         "help": "Accepted bearer tokens: repeat --api-key; comma-separated in the variable (none: no auth)",
         "flag": "--api-key"})
+    admin_api_keys: tuple[str, ...] = field(default=(), metadata={
+        "help": "Bearer tokens that may also see and act on every tenant's files and batches: repeat "
+                "--admin-api-key; comma-separated in the variable (docs/operations.md, \"Tenants and isolation\")",
+        "flag": "--admin-api-key"})
+    tenant_secret: str = field(default="", metadata=_doc(
+        "Key of the keyed hash (HMAC-SHA256) that names an API key's tenant (empty: a random secret kept "
+        "in Redis, made by the first gateway)"))
     max_queue_len: int = field(default=1000, metadata=_doc("Queued requests per model above which new ones get 429"))
     request_timeout_s: float = field(default=600.0, metadata=_doc("Deadline of a request from arrival, seconds"))
     max_body_bytes: int = field(default=4 * 1024**2, metadata=_doc("Largest request body, bytes (413 above)"))
@@ -201,6 +216,13 @@ class GatewaySettings:
         "Gateway processes sharing the port (Linux SO_REUSEPORT; `inferq gateway --workers`)"))
     access_log: bool = field(default=False, metadata=_doc(
         "Log one line per HTTP request (uvicorn's access log; off: it costs CPU at high request rates)"))
+    header_timeout_s: float = field(default=30.0, metadata=_doc(
+        "Longest a connection may take to send a request's headers, from its opening or the request's first "
+        "byte, seconds (then closed; docs/operations.md, \"Connection timeouts\")"))
+    body_timeout_s: float = field(default=60.0, metadata=_doc(
+        "Longest wait for the next piece of a request body, seconds (then 408 and closed)"))
+    keep_alive_timeout_s: float = field(default=75.0, metadata=_doc(
+        "How long an idle keep-alive connection stays open after a response, seconds"))
     tenant_source: str = field(default="api_key", metadata=_doc(
         "What names a request's tenant: api_key | user (the body's `user`) | header:<Name> "
         "(docs/operations.md, \"Rate limits and tenants\")"))
@@ -209,14 +231,30 @@ class GatewaySettings:
         "Tokens (prompt + max_tokens, every choice) per minute per tenant (0: unlimited)"))
     rate_limits: str = field(default="", metadata=_doc(
         "Per-API-key limits overriding the two above: `key=rpm:tpm,...` (0: unlimited)"))
+    dispatch_policy: str = field(default="cache_aware", metadata=_doc(
+        "How a request's worker is chosen at enqueue: cache_aware (uncached prefill + queued prefill) | load "
+        "(queued prefill) | random (docs/architecture.md, \"Placement\")"))
+    session_affinity: str = field(default="header", metadata=_doc(
+        "What names a request's session, kept on one worker while it is not saturated: off | header "
+        "(X-Session-ID) | user (the body's `user`) | header_or_user"))
+    placement_max_queued_steps: float = field(default=64.0, metadata=_doc(
+        "A worker whose queued prefill exceeds this many of its steps' token budget is saturated: requests "
+        "that are not mostly cached there go to the shared stream"))
 
     def __post_init__(self) -> None:
         """Raises: SettingsError: a value that is not allowed."""
         _require_at_least(self, "gateway_workers", 1)
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
+            _require(self, name, getattr(self, name) > 0, "must be positive")
         source = self.tenant_source
         header = source.startswith("header:") and _HEADER_NAME_RE.fullmatch(source[len("header:"):]) is not None
         _require(self, "tenant_source", source in ("api_key", "user") or header,
                  "must be api_key, user or header:<Name> (an HTTP header name)")
+        _require(self, "dispatch_policy", self.dispatch_policy in DISPATCH_POLICIES,
+                 "must be one of " + ", ".join(DISPATCH_POLICIES))
+        _require(self, "session_affinity", self.session_affinity in SESSION_SOURCES,
+                 "must be one of " + ", ".join(SESSION_SOURCES))
+        _require(self, "placement_max_queued_steps", self.placement_max_queued_steps > 0, "must be positive")
         _require_at_least(self, "rate_limit_rpm", 0)
         _require_at_least(self, "rate_limit_tpm", 0)
         # The value holds API keys: errors name the problem, never the value.
@@ -225,9 +263,18 @@ class GatewaySettings:
             per_key = parse_rate_limits(self.rate_limits)
         except ValueError as exc:
             raise SettingsError(rate_limits_field, "<not shown>", str(exc)) from None
-        if self.api_keys and not set(per_key) <= set(self.api_keys):
-            raise SettingsError(rate_limits_field, "<not shown>", "names a key that is not among --api-key")
+        if self.api_keys and not set(per_key) <= set(self.api_keys) | set(self.admin_api_keys):
+            raise SettingsError(rate_limits_field, "<not shown>",
+                                "names a key that is not among --api-key or --admin-api-key")
+        admin_field = next(f for f in dataclasses.fields(self) if f.name == "admin_api_keys")
+        if set(self.admin_api_keys) & set(self.api_keys):
+            raise SettingsError(admin_field, "<not shown>", "a key is both --api-key and --admin-api-key")
 
+
+#: ``GatewaySettings.dispatch_policy`` values (``gateway/placement.py`` says what each does).
+DISPATCH_POLICIES = ("cache_aware", "load", "random")
+#: ``GatewaySettings.session_affinity`` values (``gateway/placement.py``, ``session_of``).
+SESSION_SOURCES = ("off", "header", "user", "header_or_user")
 
 #: An HTTP header name (RFC 9110 token), for ``tenant_source`` ``header:<Name>``.
 _HEADER_NAME_RE = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
@@ -277,11 +324,22 @@ class WorkerSettings:
     step_trace: str = field(default="", metadata=_doc(
         "Append one JSON line per engine step to this file (when it was handed over, ran, returned; "
         "outputs; requests pulled before it), for benchmarks (empty: off)"))
+    # 4 steps' worth (our choice, not measured): the worker pulls between steps, so a few
+    # steps keep it busy, with room for waiting prompts whose count ignores their cache
+    # hits (docs/operations.md, "Settings").
+    max_waiting_prefill_tokens: int = field(default=-1, metadata=_doc(
+        "Most prefill tokens the worker holds uncomputed before it pulls more, so a burst spreads over "
+        "the workers (-1: 4 x --max-num-batched-tokens; 0: no bound)"))
+    steal_after_ms: int = field(default=2000, metadata=_doc(
+        "An entry that waited this long in another live worker's own stream may be taken by this worker "
+        "when it has room, ms (0: never; a dead worker's entries are taken at once)"))
 
     def __post_init__(self) -> None:
         """Raises: SettingsError: a value that is not allowed."""
         _require_at_least(self, "engine_stall_timeout_s", 0.0)
         _require_at_least(self, "fault_hang_after_steps", 0)
+        _require_at_least(self, "max_waiting_prefill_tokens", -1)
+        _require_at_least(self, "steal_after_ms", 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,8 +356,6 @@ class BatchSettings:
     batch_concurrency: int = field(default=64, metadata=_doc("Lines of one batch in flight at once"))
     batch_gateway_url: str = field(default="http://127.0.0.1:8000", metadata=_doc(
         "The gateway the batch worker sends lines to (`serve` sets its own)"))
-    batch_api_key: str = field(default="", metadata=_doc(
-        "Bearer token the batch worker sends to the gateway (`serve` uses the first --api-key)"))
     batch_max_jobs: int = field(default=4, metadata=_doc("Batches one batch worker runs at once"))
     batch_lease_s: float = field(default=30.0, metadata=_doc(
         "A batch runner renews its lease on a batch every third of this; a killed runner's batch "

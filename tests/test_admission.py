@@ -46,8 +46,8 @@ async def test_every_child_counts_and_a_refusal_writes_nothing(client) -> None:
         await enqueuer.enqueue(STREAM, [_request(i) for i in range(4)], request_id_key="inferq:rid:x", wire_id="x")
     assert info.value.status == 429 and info.value.headers == {"Retry-After": "1"}
     assert sorted(await client.keys("*")) == keys_before and await client.xlen(STREAM) == 1
-    assert len(await enqueuer.enqueue(STREAM, [_request(i) for i in range(3)], request_id_key="inferq:rid:x",
-                                      wire_id="x")) == 3
+    assert len((await enqueuer.enqueue(STREAM, [_request(i) for i in range(3)], request_id_key="inferq:rid:x",
+                                       wire_id="x")).entry_ids) == 3
 
 
 async def _calls(client, before: dict) -> dict[str, int]:
@@ -81,7 +81,7 @@ async def test_a_batch_survives_a_flushed_script_cache(client) -> None:
     await client.script_flush()
     before = await client.info("commandstats")
     entry_ids = await asyncio.gather(*(enqueuer.enqueue(STREAM, [_request(i)]) for i in range(1, 11)))
-    assert len({ids[0] for ids in entry_ids}) == 10 and await client.xlen(STREAM) == 11
+    assert len({e.entry_ids[0] for e in entry_ids}) == 10 and await client.xlen(STREAM) == 11
     assert (await _calls(client, before))["script"] == 1  # the one SCRIPT LOAD
 
 
@@ -115,8 +115,8 @@ async def test_concurrent_lone_requests_are_group_committed(client) -> None:
     entry_ids = await asyncio.gather(*(enqueuer.enqueue(STREAM, [_request(i)]) for i in range(200)))
     # Each caller got the id of its own entry...
     entries = dict(await client.xrange(STREAM))
-    assert len(entries) == 200 and all(len(ids) == 1 for ids in entry_ids)
-    assert [protocol.decode(entries[ids[0]][STREAM_FIELD]).request_id for ids in entry_ids] == \
+    assert len(entries) == 200 and all(len(e.entry_ids) == 1 for e in entry_ids)
+    assert [protocol.decode(entries[e.entry_ids[0]][STREAM_FIELD]).request_id for e in entry_ids] == \
         [f"r{i}" for i in range(200)]
     # ...and the 200 XADDs went out over a connection or two, not one each.
     assert len(client.connection_pool._available_connections) + len(client.connection_pool._in_use_connections) <= 2

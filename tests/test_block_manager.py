@@ -104,3 +104,99 @@ def test_prefix_caching_off_finds_nothing() -> None:
     a.num_computed_tokens = 9
     bm.cache_full_blocks(a)
     assert bm.find_cached_prefix(req("b", 9)) == []
+
+
+# -- chained hashes (shared/block_hashes.py) and KV events ---------------------------------
+
+def _compute(bm: BlockManager, r: Request) -> None:
+    """Admit ``r`` with its cached prefix, compute all of its tokens, register its blocks."""
+    bm.allocate_prefix(r, bm.find_cached_prefix(r))
+    bm.allocate(r, r.num_tokens - r.num_computed_tokens)
+    r.num_computed_tokens = r.num_tokens
+    bm.cache_full_blocks(r)
+
+
+def test_a_block_is_shared_only_after_the_same_blocks_before_it() -> None:
+    """Two prompts whose second blocks hold the same tokens after different first blocks
+    cache two second blocks, and a third prompt that continues the second one finds that
+    one's blocks, never the first prompt's second block (which holds KV computed after
+    other tokens). Fails if a block's hash ignores its parent's."""
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a = Request("a", [1, 2, 3, 4, 9, 9, 9, 9, 5], SamplingParams(max_tokens=1))
+    b = Request("b", [6, 6, 6, 6, 9, 9, 9, 9, 5], SamplingParams(max_tokens=1))
+    _compute(bm, a)
+    _compute(bm, b)
+    assert b.num_cached_tokens == 0
+    assert bm.block_hash_at(a, 1) != bm.block_hash_at(b, 1)
+    assert all(bm.blocks[x].hash != NO_HASH for x in a.block_table[:2] + b.block_table[:2])
+    c = Request("c", [6, 6, 6, 6, 9, 9, 9, 9, 8, 8], SamplingParams(max_tokens=1))
+    assert bm.find_cached_prefix(c) == b.block_table[:2]
+
+
+def test_block_hashes_are_the_shared_definition() -> None:
+    """The block manager's hashes are ``shared.block_hashes.block_hashes`` of the tokens
+    (what gateways compute), for the prompt and for output tokens appended later."""
+    from shared.block_hashes import block_hashes, chain_hash, root_hash
+
+    a, b = block_hashes([1] * 4 + [9] * 4, 4), block_hashes([2] * 4 + [9] * 4, 4)
+    assert a[1] != b[1] and a[1] == chain_hash(chain_hash(root_hash(4), [1] * 4), [9] * 4)
+    bm = BlockManager(num_blocks=16, block_size=4)
+    r = req("a", 10)
+    assert [bm.block_hash_at(r, i) for i in range(2)] == block_hashes(r.token_ids, 4)
+    r.token_ids += [70, 71]
+    assert bm.block_hash_at(r, 2) == block_hashes(r.token_ids, 4)[2] and r.block_hashes == block_hashes(r.token_ids, 4)
+
+
+def test_kv_events_record_stores_evictions_and_clears_netted() -> None:
+    bm = BlockManager(num_blocks=6, block_size=2)
+    a = req("a", 5)  # blocks 0, 1, 2; the first two cached
+    _compute(bm, a)
+    assert not bm.take_kv_events()  # the first call starts the recording
+    b = req("b", 5, start=50)  # blocks 3, 4, 5
+    _compute(bm, b)
+    events = bm.take_kv_events()
+    assert events.stored == tuple(b.block_hashes) and events.removed == () and not events.cleared
+    assert not bm.take_kv_events()  # taken
+    bm.free(a)  # free, tails first: 2, 1, 0, then 5, 4, 3
+    bm.free(b)
+    c = req("c", 5, start=100)
+    _compute(bm, c)  # takes 2 (uncached), then 1 and 0: a's blocks evicted
+    events = bm.take_kv_events()
+    assert events.removed == (a.block_hashes[1], a.block_hashes[0]) and events.stored == tuple(c.block_hashes)
+    # c's blocks stored, then evicted before the events are taken: reported removed only.
+    bm.free(c)
+    bm.allocate(req("d", 12, start=200), 12)
+    events = bm.take_kv_events()
+    assert set(events.removed) == {*b.block_hashes, *c.block_hashes} and events.stored == ()
+    bm.reset_prefix_cache()
+    assert bm.take_kv_events().cleared
+
+
+def test_no_kv_events_without_prefix_caching() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    bm.take_kv_events()
+    _compute(bm, req("a", 9))
+    assert not bm.take_kv_events()
+
+
+def test_kv_event_log_nets_changes_until_taken() -> None:
+    """Stored then removed: removed (the SREM also drops a gateway's prediction); removed
+    then stored: stored; a clear forgets what came before it; ``extend`` replays."""
+    from worker.backends.kv_events import KVEventLog, KVEvents
+
+    log = KVEventLog()
+    log.store(b"x")
+    log.remove(b"x")
+    log.remove(b"y")
+    log.store(b"y")
+    log.store(b"z")
+    assert log.take() == KVEvents(stored=(b"y", b"z"), removed=(b"x",))
+    assert not log.take()
+    log.store(b"x")
+    log.clear()
+    log.store(b"w")
+    events = log.take()
+    assert events == KVEvents(stored=(b"w",), cleared=True)
+    log.remove(b"w")
+    log.extend(events)
+    assert log.take() == events

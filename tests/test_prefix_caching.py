@@ -90,3 +90,32 @@ def test_a_step_hashes_the_blocks_it_fills_before_it_waits_for_its_tokens(offlin
     offline.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     assert seen and seen[0] == (5, 5), seen
     assert all(made == full for made, full in seen), seen
+
+
+def test_a_continued_prompt_reads_its_own_blocks_not_anothers_with_the_same_tokens(offline) -> None:
+    """Chained block hashes (shared/block_hashes.py) on the real model: prompts a and b
+    differ in their first block and share their second block's tokens; c continues b. c
+    starts from b's two cached blocks (not a's second block, whose KV was computed after
+    other tokens) and its greedy tokens are those of c run with nothing cached. Fails if
+    a block's hash ignores its parent's."""
+    block_size = offline.engine.scheduler.block_manager.block_size
+    common = offline.encode(" Then the ferry left the harbour at dawn and crossed the grey water towards the "
+                            "islands in the north")[:block_size]
+    head_a = offline.encode("Recipe notes: boil the pasta in salted water for nine minutes, then drain it and "
+                            "add the sauce")[:block_size]
+    head_b = offline.encode("Ship log, day twelve: the wind turned north before the storm and the crew took "
+                            "down the sails")[:block_size]
+    assert len(common) == len(head_a) == len(head_b) == block_size
+    question = offline.encode(" Where did it go next?")
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    offline.engine.scheduler.block_manager.reset_prefix_cache()
+    offline.engine.take_kv_events()  # KV events from here on
+    offline.generate([head_a + common + question, head_b + common + question],
+                     SamplingParams(max_tokens=1, temperature=0.0))
+    assert len(offline.engine.take_kv_events().stored) == 4  # two blocks each: none shared
+    c = head_b + common + offline.encode(" Why did the ferry leave so early?")
+    (cached,) = offline.generate([c], params)
+    offline.engine.scheduler.block_manager.reset_prefix_cache()
+    (fresh,) = offline.generate([c], params)
+    assert cached.num_cached_tokens == 2 * block_size and fresh.num_cached_tokens == 0
+    assert cached.token_ids == fresh.token_ids

@@ -57,7 +57,10 @@ class Stack:
     def start_worker(self) -> None:
         self.procs.append(processes.start(
             "worker", self.redis_url, "--backend", "sim", "--worker-id", WORKER_ID, "--max-num-seqs",
-            str(MAX_NUM_SEQS), "--sim-step-time-ms", str(SIM_STEP_TIME_MS), log_path=self.logs / "worker.log"))
+            str(MAX_NUM_SEQS), "--sim-step-time-ms", str(SIM_STEP_TIME_MS),
+            # A batch of 256 prompts of 16 tokens prefills in one step (the sim chunks prefill
+            # under this budget as the engine does), so a wave takes MAX_TOKENS steps.
+            "--max-num-batched-tokens", "8192", log_path=self.logs / "worker.log"))
 
 
 @pytest.fixture

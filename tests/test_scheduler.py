@@ -124,6 +124,27 @@ def test_prefix_cache_hit_skips_computed_tokens() -> None:
     assert s.block_manager.num_free_blocks == s.block_manager.num_blocks
 
 
+
+def test_a_prompt_never_gets_another_prompts_block_after_different_tokens() -> None:
+    """Chained hashes: b's second block holds the same tokens as a's after another first
+    block, so it is computed, not shared, and c (b's prompt continued) runs on b's blocks,
+    never on a's second block. Fails if a block's hash ignores its parent's."""
+    s = make(caching=True, block_size=4)
+    first = [Request("a", [1, 2, 3, 4, 9, 9, 9, 9, 5], SamplingParams(max_tokens=2), frozenset({EOS})),
+             Request("b", [6, 6, 6, 6, 9, 9, 9, 9, 5], SamplingParams(max_tokens=2), frozenset({EOS}))]
+    tables = {}
+    for r in first:
+        s.add(r)
+        counts, _ = run_step(s)
+        assert counts == {r.request_id: 9}  # nothing cached for b either
+        tables[r.request_id] = list(r.block_table)
+        run_step(s)  # finishes: its blocks stay cached
+    c = Request("c", [6, 6, 6, 6, 9, 9, 9, 9, 8, 8], SamplingParams(max_tokens=1), frozenset({EOS}))
+    s.add(c)
+    out = s.schedule()
+    assert [(x.request.request_id, x.num_tokens) for x in out.scheduled] == [("c", 2)]
+    assert c.block_table[:2] == tables["b"][:2] and tables["a"][1] not in c.block_table
+
 # -- admission counting (what the worker pulls from Redis) ---------------------------------
 
 def test_num_admittable_counts_free_slots_while_blocks_cover_the_queue() -> None:
@@ -326,16 +347,18 @@ def test_lookups_hash_each_block_once(monkeypatch) -> None:
     steps they wait, are preempted and recomputed (``Request.block_hashes``)."""
     import random
 
-    from worker.engine import block_manager
+    from shared.block_hashes import BlockHasher
 
-    calls = [0]
-    real = block_manager.block_hash
+    calls = [0]  # blocks hashed
+    real = BlockHasher.extend
 
-    def counting(parent: int, tokens: tuple[int, ...]) -> int:
-        calls[0] += 1
-        return real(parent, tokens)
+    def counting(self: BlockHasher, token_ids: list[int], num_blocks: int) -> list[bytes]:
+        before = len(self.hashes)
+        out = real(self, token_ids, num_blocks)
+        calls[0] += len(out) - before
+        return out
 
-    monkeypatch.setattr(block_manager, "block_hash", counting)
+    monkeypatch.setattr(BlockHasher, "extend", counting)
     rng = random.Random(3)
     s = Scheduler(BlockManager(24, 4, True), 4, 16)
     requests = [Request(f"r{i}", [rng.randrange(1, 49152) for _ in range(rng.randint(5, 40))],

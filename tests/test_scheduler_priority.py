@@ -349,8 +349,9 @@ class PrioritySim(SimBackend):
         self.added: list[tuple[str, int]] = []
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    output_token_ids: list[int] | None = None, priority: int = 0, tenant: str = "") -> None:
-        super().add_request(request_id, prompt_token_ids, sampling, output_token_ids, priority, tenant)
+                    output_token_ids: list[int] | None = None, priority: int = 0, tenant: str = "",
+                    **kwargs: Any) -> None:
+        super().add_request(request_id, prompt_token_ids, sampling, output_token_ids, priority, tenant, **kwargs)
         self.added.append((request_id, priority))
 
 

@@ -54,14 +54,16 @@ def test_at_most_max_num_seqs_run_and_admittable_counts_free_slots() -> None:
     first = backend.step()
     assert sorted(o.request_id for o in first) == ["a", "b"]  # c waits for a slot
     s = backend.stats()
-    assert (s.num_running, s.num_waiting, s.kv_usage) == (2, 1, 1.0)
-    assert s.num_free_blocks == 0 and s.num_blocks == 2 * 4  # 64 tokens / 16 per block per slot
+    # One block reserved by each running request (1 prompt token + 2 outputs - 1) of
+    # 2 slots x 64 tokens / 16 per block.
+    assert (s.num_running, s.num_waiting, s.kv_usage) == (2, 1, 2 / 8)
+    assert s.num_free_blocks == 6 and s.num_blocks == 2 * 4
     backend.step()  # a and b finish
     assert backend.num_admittable() == 1
     third = backend.step()
     assert [o.request_id for o in third] == ["c"] and third[0].first_index == 0
     s = backend.stats()
-    assert (s.num_running, s.kv_usage, s.num_free_blocks) == (1, 0.5, 4)
+    assert (s.num_running, s.kv_usage, s.num_free_blocks) == (1, 1 / 8, 7)
 
 
 def test_stop_token_ids_eos_ignore_eos_and_min_tokens() -> None:
@@ -139,3 +141,53 @@ def test_resume_continues_the_echo_and_counts_against_max_tokens() -> None:
     assert outs[-1].finish_reason == "length"
     with pytest.raises(RequestRejected, match="resumed"):
         backend.add_request("b", [5], SamplingParams(max_tokens=2), output_token_ids=[5, 5])
+
+
+# -- the prefix-cache model: cached prefixes, prefill time, chunks, load, KV events -------
+
+def test_a_cached_prefix_is_reported_costs_no_prefill_time_and_makes_kv_events() -> None:
+    from shared.block_hashes import block_hashes
+
+    backend = SimBackend(ModelSettings(max_model_len=4096), EngineSettings(max_num_seqs=4),
+                         step_time_ms=1.0, prefill_ms_per_token=0.05)
+    assert not backend.take_kv_events()  # starts the recording
+    prompt = list(range(1000, 3000))  # 2,000 tokens: 125 blocks of 16
+    timings = []
+    for rid in ("first", "again"):
+        backend.add_request(rid, prompt, SamplingParams(max_tokens=1))
+        start = time.perf_counter()
+        (out,) = run_all(backend)[rid]
+        timings.append(time.perf_counter() - start)
+        assert out.finish_reason == "length"
+    assert out.num_cached_tokens == 1984  # 124 full blocks: the last token is computed
+    assert timings[0] >= 0.1 > timings[1]  # 2,000 x 0.05 ms against 16 x 0.05 ms
+    s = backend.stats()
+    assert (s.prefix_cache_queries, s.prefix_cache_hits) == (4000, 1984)
+    assert backend.num_prefill_tokens == 2000 + 16
+    events = backend.take_kv_events()
+    assert set(events.stored) == set(block_hashes(prompt, 16)) and events.removed == ()
+
+
+def test_long_prompts_prefill_in_chunks_and_count_as_waiting_prefill() -> None:
+    backend = SimBackend(ModelSettings(max_model_len=4096),
+                         EngineSettings(max_num_seqs=4, max_num_batched_tokens=1000), step_time_ms=0.0)
+    backend.add_request("long", list(range(1, 2501)), SamplingParams(max_tokens=2))
+    backend.add_request("short", [5, 6], SamplingParams(max_tokens=2))
+    assert backend.stats().num_waiting_prefill_tokens == 2502
+    assert backend.step() == []  # 1,000 of long's tokens
+    assert backend.stats().num_waiting_prefill_tokens == 1502
+    assert backend.step() == []
+    outs = backend.step()  # long's last 500, then short's 2: the first token of each
+    assert [o.request_id for o in outs] == ["long", "short"] and backend.stats().num_waiting_prefill_tokens == 0
+
+
+def test_the_sim_caches_a_block_only_after_the_same_blocks_before_it() -> None:
+    """Chained hashes in the sim's cache (it is the engine's block manager): two prompts
+    whose second blocks match after different first blocks store four blocks, and the
+    first prompt's second block is not served to the second."""
+    backend = make(max_num_seqs=4, max_model_len=128)
+    backend.take_kv_events()
+    for rid, head in (("a", 1), ("b", 2)):
+        backend.add_request(rid, [head] * 16 + [9] * 16 + [5], SamplingParams(max_tokens=1))
+        assert run_all(backend)[rid][0].num_cached_tokens == 0
+    assert len(set(backend.take_kv_events().stored)) == 4

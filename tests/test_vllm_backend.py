@@ -133,9 +133,12 @@ def test_pulls_nothing_while_vllm_leaves_requests_waiting(backend) -> None:
     for i in range(9):  # one more than vLLM's max_num_seqs
         backend.add_request(f"w{i}", [1, 2, 3, 4 + i], short)
     assert backend.num_admittable() == 0
+    assert backend.stats().num_waiting_prefill_tokens == 9 * 4  # nothing computed yet
     num_tokens = len([t for out in backend.step() for t in out.new_token_ids])
     s = backend.stats()
     assert (s.num_running, s.num_waiting) == (8, 1)
+    assert s.num_waiting_prefill_tokens == 4  # the one left waiting
+    assert not backend.take_kv_events() and backend.max_num_batched_tokens > 0  # vLLM's hashes are not ours
     assert backend.num_admittable() == 0  # vLLM kept one waiting: leave the rest in Redis
     while backend.has_unfinished_requests():
         num_tokens += len([t for out in backend.step() for t in out.new_token_ids])

@@ -2,24 +2,30 @@
 
 Each turn of the loop:
 1. apply aborts received on the control channel;
-2. pull only as many requests as the engine can admit (``num_admittable``) with the
-   fair queue's pull script (``shared/fair_queue.py``: highest class first, within it
-   the tenant with the smallest virtual token counter; a class the engine is full of
+2. pull only as many requests as the engine can admit (``num_admittable``), carrying at
+   most ``max_waiting_prefill_tokens`` of prefill less what the engine holds uncomputed
+   (``EngineStats.num_waiting_prefill_tokens``), with the fair queue's pull script
+   (``shared/fair_queue.py``: per class, highest first, the worker's own placed stream,
+   then the tenant with the smallest virtual token counter; a class the engine is full of
    still gets one request of a tenant that runs fewer of it than another, which the
-   engine preempts one of the other's for); when the engine is idle and nothing waits,
-   block briefly on the model's doorbell, which every enqueue rings;
+   engine preempts one of the other's for; then, with room left, entries that waited
+   ``steal_after_ms`` in another live worker's placed stream, or any in a dead one's:
+   ``worker/placed.py``); when the engine is idle and nothing waits, block briefly on the
+   model's doorbell and the worker's own, which every enqueue rings;
 3. run one engine step on the engine thread (``worker/engine_thread.py``), off the
    event loop, while the previous step's outputs are published;
-4. start publishing this step's outputs: one ``TokenBatch`` per gateway (every request
-   of that gateway with new tokens) in one pipeline, XACK + XDEL the entries of finished
-   requests in the same pipeline; requests whose gateway is gone (PUBLISH reached 0
-   subscribers) are aborted at the next turn.
+4. start publishing this step's outputs: the step's KV events on the worker's KV index
+   (``Keys.kv_index``: SADD stored, SREM removed, DEL cleared), then one ``TokenBatch``
+   per gateway (every request of that gateway with new tokens), and XACK + XDEL of the
+   entries of finished requests, in one pipeline; requests whose gateway is gone (PUBLISH
+   reached 0 subscribers) are aborted at the next turn.
 A heartbeat task refreshes ``{ns}:worker:{id}`` with a TTL, carrying the engine's
 progress (``worker/progress.py``: a step that hangs makes the worker read as dead); a
 control task listens for aborts, and for announcements of requests queued in a class
 above the lowest, which the engine may stop its step in progress or withhold a chained
 one for, so that the next pull takes them (``worker/engine/arrivals.py``). On SIGTERM (``drain()``) the worker stops pulling, finishes what it holds, and
-returns.
+returns. The KV index is deleted when the worker starts and when it exits; the reaper
+deletes a dead worker's (``worker/placed.py``).
 """
 
 from __future__ import annotations
@@ -35,13 +41,15 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from shared import protocol
-from shared.fair_queue import PRIORITY_CLASSES, FairQueue, parse_arrival, stream_class_tenant
+from shared.fair_queue import PREFILL_FIELD, PRIORITY_CLASSES, FairQueue, StealFrom, parse_arrival, stream_class_tenant
 from shared.keys import CONSUMER_GROUP, HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, STREAM_FIELD, Keys
 from shared.liveness import live_workers
 from shared.protocol import AbortMessage, ErrorMessage, GenerateRequest, TokenBatch, TokenOutput, WorkerStatus
 from shared.streams import add_finish, as_text, finish_entry
 from worker.backends.base import EngineBackend, RequestOutput, RequestRejected
+from worker.backends.kv_events import NO_KV_EVENTS, KVEvents, merge_kv_events
 from worker.engine_thread import EngineThread
+from worker.placed import add_kv_events, forget_dead_workers, placed_owners, steal_sources
 from worker.progress import StepClock, StepTrace
 
 log = logging.getLogger(__name__)
@@ -50,8 +58,11 @@ log = logging.getLogger(__name__)
 IDLE_BLOCK_MS = 100
 #: Back-off after a Redis error, seconds.
 RECONNECT_DELAY_S = 0.5
-#: How often the reaper looks for entries held by dead consumers, seconds.
+#: How often the reaper looks for entries held by dead consumers (and refreshes the
+#: placed streams this worker may take entries from), seconds.
 REAP_INTERVAL_S = 2.0
+#: ``max_waiting_prefill_tokens`` -1 means this many steps' ``max_num_batched_tokens``.
+DEFAULT_PREFILL_STEPS = 4
 #: Entries of a dead consumer are claimed once idle this long (2 heartbeat TTLs: the
 #: gateway's own failover, which reacts after one TTL, normally gets there first), ms.
 REAP_MIN_IDLE_MS = 2 * HEARTBEAT_TTL_S * 1000
@@ -74,11 +85,18 @@ class InFlight:
 
 
 class Worker:
-    """Consumes one model's request streams (``shared/fair_queue.py``) into an engine backend."""
+    """Consumes one model's request streams (``shared/fair_queue.py``) into an engine backend.
+
+    ``max_waiting_prefill_tokens``: the pull budget (module docstring; -1:
+    ``DEFAULT_PREFILL_STEPS`` x the backend's ``max_num_batched_tokens``, 0: no bound);
+    ``steal_after_ms``: how long an entry waits in another live worker's placed stream
+    before this one may take it (0: never). ``WorkerSettings`` documents both.
+    """
 
     def __init__(self, client: aioredis.Redis, keys: Keys, model: str, worker_id: str,
                  backend: EngineBackend, drain_timeout_s: float = 60.0,
-                 engine_thread: EngineThread | None = None, engine_stall_timeout_s: float = 0.0) -> None:
+                 engine_thread: EngineThread | None = None, engine_stall_timeout_s: float = 0.0,
+                 max_waiting_prefill_tokens: int = -1, steal_after_ms: int = 2000) -> None:
         self.redis = client
         #: Where steps run; pass the thread that built the backend (one OpenMP team).
         self.engine_thread = engine_thread or EngineThread()
@@ -104,6 +122,17 @@ class Worker:
         self._backlog: list[RequestOutput] = []
         #: Per-step timeline for benchmarks (``WorkerSettings.step_trace``; None: off).
         self.trace: StepTrace | None = None
+        #: The pull budget, tokens (0: no bound).
+        self.max_waiting_prefill_tokens = (DEFAULT_PREFILL_STEPS * backend.max_num_batched_tokens
+                                           if max_waiting_prefill_tokens < 0 else max_waiting_prefill_tokens)
+        self.steal_after_ms = steal_after_ms
+        #: Placed streams of other workers this one may take from (the reaper refreshes it).
+        self.steal: list[StealFrom] = []
+        self.kv_index = keys.kv_index(model, self.worker_id)
+        # KV events taken from the engine and not yet in Redis (a publish failed).
+        self._kv_backlog: KVEvents = NO_KV_EVENTS
+        # The load last written to the model's load hash (-1: none yet).
+        self._published_load = -1
 
     @property
     def num_steps(self) -> int:
@@ -121,6 +150,8 @@ class Worker:
     async def run(self) -> None:
         """Serve until drained. Background tasks are awaited and their errors raised."""
         await self._ensure_group()
+        self.backend.take_kv_events()  # starts the recording: the KV index starts empty, as the cache
+        await self.redis.delete(self.kv_index)
         main = asyncio.create_task(self._main_loop(), name="main")
         tasks = [main, asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
                  asyncio.create_task(self._control_loop(), name="control")]
@@ -133,7 +164,8 @@ class Worker:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             try:
-                await self.redis.delete(self.keys.worker_key(self.worker_id))
+                await self.redis.delete(self.keys.worker_key(self.worker_id), self.kv_index)
+                await self.redis.hdel(self.keys.worker_load(self.model), self.worker_id)
             except RedisError:
                 pass
         log.info("worker %s drained after %d steps", self.worker_id, self.num_steps)
@@ -172,7 +204,7 @@ class Worker:
                     if not self.backend.has_unfinished_requests():
                         await self._settle(publishing)
                         publishing = None
-                        if self._backlog:  # outputs a Redis error kept from being published
+                        if self._backlog or self._kv_backlog:  # what a Redis error kept from going out
                             await self._publish([])
                         continue
                     self.steps.started()
@@ -191,7 +223,7 @@ class Worker:
                     if self.trace is not None:
                         stats = self.backend.stats()
                         self.trace.record(handed_s, len(outputs), stats.num_running, stats.num_waiting)
-                    publishing = asyncio.create_task(self._publish(outputs))
+                    publishing = asyncio.create_task(self._publish(outputs, self.backend.take_kv_events()))
                 except RedisError as exc:
                     log.warning("redis error in worker loop: %s; retrying", exc)
                     await asyncio.sleep(RECONNECT_DELAY_S)
@@ -229,20 +261,34 @@ class Worker:
             if blocked is not None:
                 extra[rank] = 1
                 excluded += [self.queue.stream(name, tenant) for tenant in blocked]
-        if max(counts) <= 0 and not any(extra):
+        budget = self.prefill_budget()
+        if (max(counts) <= 0 or budget == 0) and not any(extra):
             if block_ms is not None:
                 await asyncio.sleep(block_ms / 1000)
             return
-        entries = await self.queue.pull(self.worker_id, counts, extra, excluded)
-        if not entries and block_ms is not None and await self.queue.wait(block_ms / 1000):
-            entries = await self.queue.pull(self.worker_id, counts, extra, excluded)
+        entries = await self.queue.pull(self.worker_id, counts, extra, excluded, prefill_budget=budget,
+                                        steal=self.steal)
+        if not entries and block_ms is not None and await self.queue.wait(block_ms / 1000, self.worker_id):
+            entries = await self.queue.pull(self.worker_id, counts, extra, excluded, prefill_budget=budget,
+                                            steal=self.steal)
         for stream, entry_id, fields in entries:
             await self._admit(stream, entry_id, fields)
 
+    def prefill_budget(self) -> int:
+        """Prefill tokens the next pull may take (``FairQueue.pull``'s ``prefill_budget``):
+        ``max_waiting_prefill_tokens`` less what the engine holds uncomputed, at least 0;
+        -1 when unbounded. Call between steps."""
+        if self.max_waiting_prefill_tokens == 0:
+            return -1
+        held = self.backend.stats().num_waiting_prefill_tokens
+        return max(0, self.max_waiting_prefill_tokens - held)
+
     async def reap(self) -> int:
         """Claim entries pending on dead consumers (as many as the engine admits) and run
-        them; drop dead consumers with nothing pending. Runs between engine steps.
-        Returns the number of entries claimed.
+        them; drop dead consumers with nothing pending; refresh ``steal`` (the placed
+        streams of other workers this one may take from, ``worker/placed.py``); clean up
+        after dead workers (``forget_dead_workers``: KV index, empty placed streams,
+        placed tokens). Runs between engine steps. Returns the number of entries claimed.
 
         Dead means no live heartbeat: the key is gone, or it reports the engine stalled
         (``shared/liveness.py``). Never by idle time alone: a live worker's entry stays
@@ -256,9 +302,13 @@ class Worker:
             replies = await pipe.execute(raise_on_error=False)
         per_stream = [(s, r) for s, r in zip(streams, replies, strict=True) if not isinstance(r, Exception)]
         names = {as_text(c["name"]) for _, consumers in per_stream for c in consumers}
+        names |= placed_owners(self.keys, self.model, streams)
+        names.discard(self.worker_id)
         live = await live_workers(self.redis, self.keys, names)
+        self.steal = steal_sources(self.keys, self.model, streams, self.worker_id, live, self.steal_after_ms)
         for stream, consumers in per_stream:
             claimed += await self._reap_stream(stream, consumers, live)
+        await forget_dead_workers(self.redis, self.keys, self.model, names - live)
         self.num_reclaimed += claimed
         return claimed
 
@@ -320,10 +370,12 @@ class Worker:
             # the new attempt's number: the continuation resumes after what the client has.
             self._backlog = [out for out in self._backlog if out.request_id != message.request_id]
             await self._ack(held.stream, held.entry_id)
+        # A placed stream names no tenant: the request carries it.
+        tenant = message.tenant or stream_class_tenant(self.keys, self.model, stream)[1]
         try:
             self.backend.add_request(message.request_id, message.prompt_token_ids, message.sampling,
-                                     message.output_token_ids, priority=message.priority,
-                                     tenant=stream_class_tenant(self.keys, self.model, stream)[1])
+                                     message.output_token_ids, priority=message.priority, tenant=tenant,
+                                     num_cached_hint=_cached_hint(message, fields))
         except RequestRejected as exc:
             await self._fail(message, stream, entry_id, 400, str(exc))
             return
@@ -349,21 +401,33 @@ class Worker:
             await finish_entry(self.redis, info.stream, info.entry_id, error=error, reply_channel=info.reply_channel)
             del self.inflight[request_id]
 
-    async def _publish(self, new_outputs: list[RequestOutput]) -> None:
-        """One pipeline: a PUBLISH of one ``TokenBatch`` per reply channel (every request
-        of that gateway with new tokens), then XACK + XDEL per finished request. Outputs
-        that a Redis error kept from going out stay in ``_backlog`` and go first next
-        time, so a blip loses no tokens; a batch that reached no subscriber (its gateway
-        is gone) has its unfinished requests aborted at the next turn."""
+    async def _publish(self, new_outputs: list[RequestOutput], kv_events: KVEvents = NO_KV_EVENTS) -> None:
+        """One pipeline: the KV events on the KV index (first, so a gateway that reads a
+        request's last tokens finds its blocks there), a PUBLISH of one ``TokenBatch`` per
+        reply channel (every request of that gateway with new tokens), then XACK + XDEL
+        per finished request; an output with an ``error`` (its grammar failed) goes as a
+        400 ``ErrorMessage`` instead, after the batches. Outputs and KV events that a
+        Redis error kept from going out stay in ``_backlog`` and ``_kv_backlog`` and go
+        first next time, so a blip loses no tokens and no cache change; a batch that reached no subscriber (its gateway is
+        gone) has its unfinished requests aborted at the next turn."""
         outputs = self._backlog + new_outputs
         self._backlog = outputs
-        if not outputs:
+        kv_events = self._kv_backlog = merge_kv_events(self._kv_backlog, kv_events)
+        load = self.backend.stats().num_waiting_prefill_tokens
+        if not outputs and not kv_events and load == self._published_load:
             return
         batches: dict[str, list[TokenOutput]] = {}
+        errors: list[tuple[str, ErrorMessage]] = []
         finished: list[tuple[str, InFlight]] = []
         for out in outputs:
             info = self.inflight.get(out.request_id)
             if info is None:
+                continue
+            if out.error is not None:  # its grammar failed: a 400 instead of its last tokens
+                errors.append((info.reply_channel, ErrorMessage(
+                    request_id=out.request_id, attempt=info.attempt, worker_id=self.worker_id, status=400,
+                    message=out.error)))
+                finished.append((out.request_id, info))
                 continue
             batches.setdefault(info.reply_channel, []).append(TokenOutput(
                 request_id=out.request_id, attempt=info.attempt, first_index=out.first_index,
@@ -373,16 +437,25 @@ class Worker:
             if out.finish_reason is not None:
                 finished.append((out.request_id, info))
         async with self.redis.pipeline(transaction=False) as pipe:
+            num_kv = add_kv_events(pipe, self.kv_index, kv_events)
+            if load != self._published_load:
+                pipe.hset(self.keys.worker_load(self.model), self.worker_id, load)
+                num_kv += 1
             for channel, entries in batches.items():
                 pipe.publish(channel, protocol.encode(TokenBatch(worker_id=self.worker_id, outputs=entries)))
+            for channel, error in errors:  # after the batches: results[num_kv:] starts with theirs
+                pipe.publish(channel, protocol.encode(error))
             for _request_id, info in finished:
                 add_finish(pipe, info.stream, info.entry_id)
             # Per-command errors (XACK after a Redis restart lost the group: NOGROUP) must
             # not make the PUBLISHes go out again; a lost connection still raises here.
             results = await pipe.execute(raise_on_error=False)
         self._backlog = []
-        # Results come back in command order: the PUBLISHes, then XACK, XDEL per finish.
-        for (channel, entries), receivers in zip(batches.items(), results, strict=False):
+        self._kv_backlog = NO_KV_EVENTS
+        self._published_load = load
+        # Results come back in command order: the KV index's, the PUBLISHes, then XACK,
+        # XDEL per finish.
+        for (channel, entries), receivers in zip(batches.items(), results[num_kv:], strict=False):
             if isinstance(receivers, Exception):
                 log.warning("publish to %s failed: %s", channel, receivers)
             elif receivers == 0:
@@ -407,15 +480,20 @@ class Worker:
 
     # -- background tasks ----------------------------------------------------------
     def status(self) -> WorkerStatus:
+        """The heartbeat's value: the engine's load and sizes, and the step clock."""
         s = self.backend.stats()
-        return WorkerStatus(worker_id=self.worker_id, model=self.model, backend=self.backend.name,
+        b = self.backend
+        return WorkerStatus(worker_id=self.worker_id, model=self.model, backend=b.name,
                             num_running=s.num_running, num_waiting=s.num_waiting, kv_usage=s.kv_usage,
-                            num_free_blocks=s.num_free_blocks, block_size=self.backend.block_size,
-                            max_num_seqs=self.backend.max_num_seqs, updated_unix_s=time.time(),
+                            num_free_blocks=s.num_free_blocks, block_size=b.block_size,
+                            max_num_seqs=b.max_num_seqs, updated_unix_s=time.time(),
                             started_unix_s=self._started_unix_s, pid=os.getpid(),
                             num_steps=self.steps.num_steps, last_step_unix_s=self.steps.last_step_unix_s,
                             step_running_s=self.steps.running_s(),
-                            engine_stall_timeout_s=self.steps.stall_timeout_s)
+                            engine_stall_timeout_s=self.steps.stall_timeout_s,
+                            num_waiting_prefill_tokens=s.num_waiting_prefill_tokens, num_blocks=s.num_blocks,
+                            max_num_batched_tokens=b.max_num_batched_tokens, max_model_len=b.max_model_len,
+                            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits)
 
     async def _heartbeat_loop(self) -> None:
         key = self.keys.worker_key(self.worker_id)
@@ -462,3 +540,15 @@ class Worker:
                     await pubsub.aclose()
                 except RedisError:
                     pass
+
+
+def _cached_hint(message: GenerateRequest, fields: dict[bytes, bytes]) -> int:
+    """The prompt tokens that placement expects cached here: the prompt less the entry's
+    ``PREFILL_FIELD`` (0 without one, or for a continuation, whose prompt grew)."""
+    raw = fields.get(PREFILL_FIELD)
+    if raw is None or message.output_token_ids:
+        return 0
+    try:
+        return max(0, len(message.prompt_token_ids) - int(raw))
+    except ValueError:
+        return 0

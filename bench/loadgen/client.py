@@ -11,6 +11,7 @@ per token. E2EL ends at the last content chunk. The output token count comes fro
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +69,20 @@ def chunk_content(chunk: dict[str, Any]) -> str:
     return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
 
 
+async def sse_chunks(response: Any) -> AsyncIterator[dict[str, Any]]:
+    """The JSON chunks of an OpenAI-style SSE ``response`` (an ``httpx`` streaming
+    response), in order, until ``data: [DONE]``; blank separators, comments and
+    ``event:`` lines are skipped. An ``{"error": ...}`` chunk is yielded like any other."""
+    async for line in response.aiter_lines():
+        line = line.strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:"):].strip()
+        if data == "[DONE]":
+            return
+        yield msgspec.json.decode(data)
+
+
 async def send_request(
     client: httpx.AsyncClient, url: str, payload: dict[str, Any], prompt_len: int, headers: dict[str, str]
 ) -> RequestOutput:
@@ -84,14 +99,7 @@ async def send_request(
                 body = (await response.aread()).decode(errors="replace")
                 out.error = f"HTTP {response.status_code}: {body[:MAX_ERROR_CHARS]}"
                 return out
-            async for line in response.aiter_lines():
-                line = line.strip()
-                if not line.startswith("data:"):
-                    continue  # blank separators, comments, "event:" lines
-                data = line[len("data:") :].strip()
-                if data == "[DONE]":
-                    break
-                chunk = msgspec.json.decode(data)
+            async for chunk in sse_chunks(response):
                 if "error" in chunk:
                     out.error = f"stream error: {str(chunk['error'])[:MAX_ERROR_CHARS]}"
                     return out

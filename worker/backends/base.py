@@ -1,6 +1,7 @@
 """The narrow interface between the worker's Redis adapter and an engine: the
 ``EngineBackend`` protocol, the types it passes (``RequestOutput``, ``EngineStats``,
-``RequestRejected``) and the request checks every backend shares (``check_request``).
+``RequestRejected``; ``KVEvents`` in ``worker/backends/kv_events.py``) and the request
+checks every backend shares (``check_request``).
 
 Imports no torch and no engine: the Redis adapter and the sim backend load without them.
 """
@@ -14,6 +15,7 @@ from shared.model_source import ModelSource
 from shared.protocol import FinishReason, TokenLogprobs
 from shared.sampling import SamplingParams
 from shared.settings import EngineSettings, ModelSettings
+from worker.backends.kv_events import KVEvents
 
 
 class RequestRejected(ValueError):
@@ -51,7 +53,10 @@ class RequestOutput:
     is output token number ``first_index``; ``finish_reason`` once it ended;
     ``logprobs``, one entry per new token, when the request asked for them;
     ``prompt_logprobs`` on the request's first output only, when it asked for them and
-    was not resumed: one entry per prompt token after the first (``TokenOutput``)."""
+    was not resumed: one entry per prompt token after the first (``TokenOutput``);
+    ``error``: with ``finish_reason`` ``abort``, why the request failed (its structured
+    output constraint did), which the worker sends as a 400 ``ErrorMessage`` instead of
+    the tokens; None otherwise."""
 
     request_id: str
     new_token_ids: list[int]
@@ -61,12 +66,16 @@ class RequestOutput:
     num_cached_tokens: int
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     """A snapshot for heartbeats and metrics (``kv_usage``: fraction of KV blocks in
-    use, 0..1)."""
+    use, 0..1). ``num_waiting_prefill_tokens``: the tokens the requests it holds still
+    have to prefill before they decode (waiting ones: all of their tokens; running ones:
+    the rest of a chunked prefill or of a recompute), what the worker's pull budget and
+    placement's load read (``WorkerStatus``)."""
 
     num_running: int
     num_waiting: int
@@ -76,6 +85,7 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queries: int  # tokens looked up
     prefix_cache_hits: int  # tokens found
+    num_waiting_prefill_tokens: int = 0
 
 
 class EngineBackend(Protocol):
@@ -86,12 +96,17 @@ class EngineBackend(Protocol):
     block_size: int
     max_num_seqs: int
     max_model_len: int
+    #: Most tokens one step computes (prefill chunks + decodes): the pull budget's unit.
+    max_num_batched_tokens: int
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    output_token_ids: list[int] | None = None, priority: int = 0, tenant: str = "") -> None:
+                    output_token_ids: list[int] | None = None, priority: int = 0, tenant: str = "",
+                    num_cached_hint: int = 0) -> None:
         """Queue a request (``output_token_ids``: resume after these outputs;
         ``priority``: its class rank, lower served first; see ``GenerateRequest``;
-        ``tenant``: who sent it, the tenant of its queue stream, "" unknown).
+        ``tenant``: who sent it, the tenant of its queue stream, "" unknown;
+        ``num_cached_hint``: prompt tokens placement expects in this worker's prefix cache,
+        which its load figures leave out until it is admitted).
         Raises ``RequestRejected`` when it cannot run."""
 
     def abort(self, request_id: str) -> bool:
@@ -124,6 +139,12 @@ class EngineBackend(Protocol):
 
     def stats(self) -> EngineStats:
         """Load snapshot for heartbeats and metrics."""
+
+    def take_kv_events(self) -> KVEvents:
+        """The prefix cache's net changes (blocks stored, evicted; cleared) since the last
+        call (``worker/backends/kv_events.py``). The first call starts the recording and
+        returns none: the worker makes it before the first step. Called from the worker's
+        event loop between steps, never while ``step`` runs."""
 
 
 #: Names accepted by ``create_backend``.

@@ -25,3 +25,4 @@ class InferqBackend(LLMEngine):
         super().__init__(source, model_settings, engine_settings)
         self.block_size = engine_settings.block_size
         self.max_num_seqs = engine_settings.max_num_seqs
+        self.max_num_batched_tokens = engine_settings.max_num_batched_tokens

@@ -48,9 +48,13 @@ How our calls map onto vLLM's:
 - ``num_admittable``: free sequence slots, but 0 while vLLM leaves requests waiting after
   a step or the free KV blocks do not cover the queued prompts plus one block of growth
   per running request, so unstarted work stays in Redis for other workers.
-- ``stats``: running/waiting counts and KV usage read from vLLM's scheduler now (so an
-  abort shows at once), prefix-cache and preemption counters summed from the
-  ``SchedulerStats``/``IterationStats`` that vLLM hands its stat loggers every step.
+- ``stats``: running/waiting counts, KV usage and the prefill tokens its requests still
+  have to compute read from vLLM's scheduler now (so an abort shows at once),
+  prefix-cache and preemption counters summed from the ``SchedulerStats``/``IterationStats``
+  that vLLM hands its stat loggers every step.
+- ``take_kv_events``: none. vLLM's own KV events (``BlockStored``/``BlockRemoved``) name
+  blocks by vLLM's hash, not by ours (``shared/block_hashes.py``), so a vLLM worker's KV
+  index stays empty and placement sees it by load only.
 
 Settings map one to one where vLLM has the same knob (``max_num_seqs``,
 ``max_num_batched_tokens``, ``block_size``, ``enable_prefix_caching``, ``enforce_eager``,
@@ -78,6 +82,7 @@ from shared.protocol import FinishReason, TokenLogprobs
 from shared.sampling import MAX_LOGPROBS, SamplingParams, StructuredOutput
 from shared.settings import EngineSettings, ModelSettings
 from worker.backends.base import EngineStats, RequestOutput, RequestRejected, check_request
+from worker.backends.kv_events import NO_KV_EVENTS, KVEvents
 
 if TYPE_CHECKING:
     import vllm
@@ -196,7 +201,9 @@ def engine_args(source: ModelSource, model: ModelSettings, engine: EngineSetting
         dtype=vllm_dtype(model.dtype, on_cpu), seed=model.seed, quantization=vllm_quantization(model.quantization),
         kv_cache_dtype=vllm_kv_cache_dtype(engine.kv_cache_dtype),
         speculative_config=vllm_speculative_config(engine, model, load_format),
-        max_model_len=max_model_len(source.config, model.max_model_len),
+        # Without --max-model-len, vLLM's auto-fit (-1): the config's length, capped by its
+        # KV cache (as shared.model_source.max_model_len does for our engine).
+        max_model_len=max_model_len(source.config, model.max_model_len) if model.max_model_len else -1,
         max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=engine.max_num_batched_tokens,
         block_size=vllm_block_size(engine.block_size, on_cpu), enable_prefix_caching=engine.enable_prefix_caching,
         enforce_eager=engine.enforce_eager, gpu_memory_utilization=engine.gpu_memory_utilization,
@@ -352,7 +359,9 @@ class VllmBackend:
         config = self.engine.vllm_config
         self.block_size = int(config.cache_config.block_size)
         self.max_num_seqs = int(config.scheduler_config.max_num_seqs)
-        # The length engine_args asked for (vLLM refuses to start rather than lower it).
+        self.max_num_batched_tokens = int(config.scheduler_config.max_num_batched_tokens)
+        # The length vLLM settled on: the one engine_args asked for, or its auto-fit (it
+        # refuses to start rather than lower one asked for).
         self.max_model_len = int(config.model_config.max_model_len)
         self._requests: dict[str, _Tracked] = {}
         self._num_blocks_added = 0  # prompt blocks of requests added since the last step
@@ -362,10 +371,12 @@ class VllmBackend:
 
     # -- requests ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    output_token_ids: list[int] | None = None, priority: int = 0, tenant: str = "") -> None:
+                    output_token_ids: list[int] | None = None, priority: int = 0, tenant: str = "",
+                    num_cached_hint: int = 0) -> None:
         """Queue a request in vLLM; ``output_token_ids`` resumes one whose first outputs
         were already delivered (failover); ``priority`` is vLLM's (lower served first);
-        ``tenant`` is ignored (vLLM shares no slots between tenants).
+        ``tenant`` and ``num_cached_hint`` are ignored (vLLM shares no slots between
+        tenants; its queue figures come from its own scheduler).
 
         Raises:
             RequestRejected: empty or too long prompt, bad parameters, token ids out of
@@ -460,9 +471,9 @@ class VllmBackend:
         return results
 
     def stats(self) -> EngineStats:
-        """Load snapshot: vLLM's running/waiting counts and KV-cache usage as of now,
-        prefix-cache and preemption totals as of its last step. Block counts leave out
-        vLLM's null block (block 0, never allocated)."""
+        """Load snapshot: vLLM's running/waiting counts, KV-cache usage and prefill
+        tokens left as of now, prefix-cache and preemption totals as of its last step.
+        Block counts leave out vLLM's null block (block 0, never allocated)."""
         scheduler, pool = self._scheduler(), self._block_pool()
         num_running, num_waiting = scheduler.get_request_counts()
         c = self._counters
@@ -470,7 +481,12 @@ class VllmBackend:
                            kv_usage=float(scheduler.get_kv_cache_usage()),
                            num_free_blocks=pool.get_num_free_blocks(), num_blocks=pool.num_gpu_blocks - 1,
                            num_preemptions=c.num_preemptions, prefix_cache_queries=c.prefix_cache_queries,
-                           prefix_cache_hits=c.prefix_cache_hits)
+                           prefix_cache_hits=c.prefix_cache_hits,
+                           num_waiting_prefill_tokens=self._num_waiting_prefill_tokens())
+
+    def take_kv_events(self) -> KVEvents:
+        """None: vLLM's events name blocks by its own hash (module docstring)."""
+        return NO_KV_EVENTS
 
     def close(self) -> None:
         """Stop vLLM's engine core and its model process."""
@@ -480,6 +496,16 @@ class VllmBackend:
     def _scheduler(self) -> Scheduler:
         """The in-process engine core's scheduler (``InprocClient.engine_core``)."""
         return self.engine.engine_core.engine_core.scheduler  # type: ignore[attr-defined, no-any-return]
+
+    def _num_waiting_prefill_tokens(self) -> int:
+        """Tokens vLLM's held requests still compute before they decode: per request
+        ``num_tokens - num_computed_tokens`` when more than a decode's one (as
+        ``Request.num_prefill_tokens_left``). The queues are copied first (the heartbeat
+        reads while a step runs)."""
+        scheduler = self._scheduler()
+        held = [*scheduler.running, *scheduler.kv_holding_waiting, *scheduler.waiting]
+        lefts = (r.num_tokens - r.num_computed_tokens for r in held)
+        return sum(left for left in lefts if left > 1)
 
     def _block_pool(self) -> Any:
         return self._scheduler().kv_cache_manager.block_pool

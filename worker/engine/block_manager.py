@@ -1,12 +1,20 @@
 """Physical KV-cache blocks: allocation, reference counts and prefix caching.
 
 A block holds ``block_size`` consecutive tokens of one sequence. A *full* block is
-identified by a hash of (its parent block's hash, its token ids), so two sequences
-with the same first ``k * block_size`` tokens share those blocks (prefix caching,
-as in vLLM's automatic prefix caching and SGLang's RadixAttention). Freed blocks keep
-their hash and stay findable until they are reused; reuse takes the least recently
-freed block first (LRU). The tail of a freed sequence is freed first, so it is
-evicted before the shared head.
+identified by a hash of (its parent block's hash, its token ids): ``shared/block_hashes.py``,
+the one definition that gateways compute too, to place a prompt where its prefix is
+cached. So two sequences with the same first ``k * block_size`` tokens share those
+blocks (prefix caching, as in vLLM's automatic prefix caching and SGLang's
+RadixAttention), and two that share a block's tokens but not every block before it never
+do. Freed blocks keep their hash and stay findable until they are reused; reuse takes
+the least recently freed block first (LRU). The tail of a freed sequence is freed first,
+so it is evicted before the shared head.
+
+KV events (``worker/backends/kv_events.py``): once ``take_kv_events`` has been called,
+every hash that enters the cached map (``cache_full_blocks``), leaves it (a cached free
+block reused by ``allocate``: eviction) or is dropped with the whole map
+(``reset_prefix_cache``) is recorded, netted until the next call. Before the first call
+nothing is recorded: an offline engine that never takes them keeps no log.
 
 Sliding window (a model whose every layer attends to its last ``sliding_window``
 positions only, as Mistral v0.1): a running request's blocks that no later query can see
@@ -23,14 +31,15 @@ with PagedAttention" (SOSP 2023); vLLM v1 ``KVCacheManager``.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from shared.block_hashes import BlockHasher
+from worker.backends.kv_events import NO_KV_EVENTS, KVEventLog, KVEvents
 from worker.engine.request import Request
 
-NO_HASH = -1
+#: ``Block.hash`` of a block that is not in the prefix cache.
+NO_HASH = b""
 #: Block-table entry of a block released by ``free_outside_window``: not a block id
 #: (no block is ever read or written through it).
 FREED_BLOCK = -1
@@ -38,21 +47,12 @@ FREED_BLOCK = -1
 
 @dataclass(slots=True)
 class Block:
-    """One physical block. ``hash`` is ``NO_HASH`` until the block is full."""
+    """One physical block. ``hash`` (``shared/block_hashes.py``, 16 bytes) is
+    ``NO_HASH`` until the block is full and registered in the prefix cache."""
 
     block_id: int
     ref_count: int = 0
-    hash: int = NO_HASH
-
-
-def block_hash(parent_hash: int, token_ids: tuple[int, ...]) -> int:
-    """128-bit BLAKE2b hash of a full block chained on its parent's hash (``NO_HASH``
-    for the first block). Wide enough that a collision, which would silently reuse
-    another prefix's KV, is not a practical concern (Python's 64-bit ``hash`` is not)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent_hash.to_bytes(16, "little", signed=True))
-    h.update(array("q", token_ids).tobytes())
-    return int.from_bytes(h.digest(), "little", signed=True)
+    hash: bytes = NO_HASH
 
 
 class BlockManager:
@@ -75,13 +75,15 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._cached: dict[bytes, int] = {}  # block hash -> block id
         # Per request: how many of its blocks ``cache_full_blocks`` has registered.
         self._num_registered: dict[str, int] = {}
         # Per request: how many of its first blocks ``free_outside_window`` released.
         self._num_freed: dict[str, int] = {}
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
+        #: Cache changes since the last ``take_kv_events`` (None: never taken, none kept).
+        self._kv_events: KVEventLog | None = None
 
     # -- queries -----------------------------------------------------------------
     @property
@@ -103,16 +105,18 @@ class BlockManager:
         return self.blocks_needed(request, num_new_tokens) <= len(self._free)
 
     # -- prefix caching ----------------------------------------------------------
-    def block_hash_at(self, request: Request, index: int) -> int:
+    def block_hash_at(self, request: Request, index: int) -> bytes:
         """The hash of the request's full block ``index`` (``index < num_tokens //
-        block_size``), chained on the blocks before it. Each block of a request is hashed
-        once (``Request.block_hashes`` keeps them), however often it is looked up."""
-        hashes = request.block_hashes
-        bs = self.block_size
-        assert index < request.num_tokens // bs, (index, request.num_tokens)
-        while len(hashes) <= index:
-            i = len(hashes)
-            hashes.append(block_hash(hashes[-1] if hashes else NO_HASH, tuple(request.token_ids[i * bs:(i + 1) * bs])))
+        block_size``), chained on the blocks before it (``shared.block_hashes``). Each
+        block of a request is hashed once (``Request.block_hasher`` keeps them), however
+        often it is looked up; blocks up to ``index`` not hashed yet are hashed in one go."""
+        hasher = request.block_hasher
+        if hasher is None:
+            hasher = request.block_hasher = BlockHasher(self.block_size)
+        hashes = hasher.hashes
+        if index >= len(hashes):
+            assert index < request.num_tokens // self.block_size, (index, request.num_tokens)
+            hasher.extend(request.token_ids, index + 1)
         return hashes[index]
 
     def num_lookup_blocks(self, request: Request) -> int:
@@ -168,6 +172,8 @@ class BlockManager:
             if block.hash != NO_HASH:  # evict the cached content it held
                 if self._cached.get(block.hash) == block_id:
                     del self._cached[block.hash]
+                    if self._kv_events is not None:
+                        self._kv_events.remove(block.hash)
                 block.hash = NO_HASH
             block.ref_count = 1
             request.block_table.append(block_id)
@@ -185,6 +191,8 @@ class BlockManager:
             if block.hash == NO_HASH and h not in self._cached:
                 block.hash = h
                 self._cached[h] = block.block_id
+                if self._kv_events is not None:
+                    self._kv_events.store(h)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, and clear its block table."""
@@ -247,8 +255,20 @@ class BlockManager:
             self._free[block_id] = None
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached hash (blocks in use keep their data)."""
+        """Forget every cached hash (blocks in use keep their data); a "cleared" KV event."""
         for block in self.blocks:
             block.hash = NO_HASH
         self._cached.clear()
         self._num_registered.clear()  # running requests register their full blocks again
+        if self._kv_events is not None:
+            self._kv_events.clear()
+
+    # -- KV events -----------------------------------------------------------------
+    def take_kv_events(self) -> KVEvents:
+        """The prefix cache's net changes since the last call (module docstring); the
+        first call starts the recording and returns none. Never any with prefix caching
+        off."""
+        if self._kv_events is None:
+            self._kv_events = KVEventLog()
+            return NO_KV_EVENTS
+        return self._kv_events.take()

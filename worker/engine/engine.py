@@ -6,6 +6,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -15,20 +16,21 @@ from shared.protocol import TokenLogprobs
 from shared.sampling import SamplingParams
 from shared.settings import EngineSettings, ModelSettings
 from worker.backends.base import EngineStats, RequestOutput, RequestRejected, check_request
+from worker.backends.kv_events import KVEvents
 from worker.engine.arrivals import Arrivals, StepStop
 from worker.engine.block_manager import BlockManager
 from worker.engine.cuda_graphs import PiecewiseReplay
 from worker.engine.draft_proposer import DraftProposer, draft_num_blocks, load_draft_model
 from worker.engine.kv_calibration import kv_calibration_ids
 from worker.engine.model_runner import ModelRunner, StepLaunch, decode_inputs, kv_cache_dtype
-from worker.engine.request import Request
+from worker.engine.request import GRAMMAR_FAILED, Request
 from worker.engine.scheduler import Scheduler, SchedulerOutput
 from worker.engine.spec_decode import NgramProposer, Proposer, SpecStats
 from worker.models.config import ModelConfig
 from worker.models.fp8 import resolve_quantization
 from worker.models.llama import ForwardStopped
 from worker.models.loader import build_model
-from worker.structured.cache import GrammarCache
+from worker.structured.cache import GrammarCache, InvalidGrammar
 from worker.structured.tokenizer import build_tokenizer
 
 log = logging.getLogger(__name__)
@@ -122,6 +124,13 @@ class LLMEngine:
                                   self.device, model_settings.seed,
                                   kv_calibration_ids(source, es, self.model_config.vocab_size, self.max_model_len))
         num_blocks = self.runner.num_blocks  # the group's, under tensor parallelism
+        # Without --max-model-len, what the cache holds caps the config's length (the runner's
+        # tables keep the config's: every rank sizes them alike before the group's count is known).
+        self.max_model_len = max_model_len(source.config, model_settings.max_model_len,
+                                           num_blocks * self.engine_settings.block_size)
+        if self.max_model_len > num_blocks * self.engine_settings.block_size:
+            log.warning("--max-model-len %d is more than the KV cache holds (%d tokens): longer requests "
+                        "get a 400", self.max_model_len, num_blocks * self.engine_settings.block_size)
         self.scheduler = Scheduler(BlockManager(num_blocks, self.engine_settings.block_size,
                                                 self.engine_settings.enable_prefix_caching,
                                                 self.model_config.uniform_sliding_window),
@@ -172,13 +181,15 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    output_token_ids: list[int] | None = None, priority: int = 0, tenant: str = "") -> None:
+                    output_token_ids: list[int] | None = None, priority: int = 0, tenant: str = "",
+                    num_cached_hint: int = 0) -> None:
         """Queue a request; ``output_token_ids`` resumes one whose first outputs were
         already delivered (failover): they count against ``max_tokens`` and the next
         token's index is ``len(output_token_ids)``. ``priority`` is its class rank
         (``GenerateRequest.priority``, lower served first; the scheduler admits in
         class order and preempts running requests of a lower class to fit it).
         ``tenant``: who sent it (the scheduler shares a class's slots between tenants).
+        ``num_cached_hint``: its expected prefix-cache hit, tokens (``Request.num_cached_hint``).
 
         A structured output (``sampling.structured``) gets its grammar matcher here, from
         the compiled-grammar cache, advanced past ``output_token_ids``. Prompt logprobs
@@ -199,11 +210,15 @@ class LLMEngine:
             raise RequestRejected("token id out of the vocabulary")
         try:
             grammar = None if sampling.structured is None else self.grammars.matcher(sampling.structured, outputs)
+        except InvalidGrammar as exc:  # worded as a grammar that fails mid-generation
+            raise RequestRejected(f"{GRAMMAR_FAILED}: {exc}") from exc
+        try:
             wants_prompt_logprobs = sampling.prompt_logprobs is not None and not outputs
             self.scheduler.add(Request(request_id, list(prompt_token_ids), sampling, self.eos_token_ids,
                                        priority=priority, tenant=tenant, token_ids=all_ids, grammar=grammar,
-                                       prompt_logprobs=[] if wants_prompt_logprobs else None))
-        except ValueError as exc:  # InvalidGrammar, or the scheduler's checks
+                                       prompt_logprobs=[] if wants_prompt_logprobs else None,
+                                       num_cached_hint=num_cached_hint))
+        except ValueError as exc:  # the scheduler's checks
             raise RequestRejected(str(exc)) from exc
 
     def abort(self, request_id: str) -> bool:
@@ -324,7 +339,7 @@ class LLMEngine:
             outputs.append(RequestOutput(request.request_id, r.new_token_ids, r.first_index, request.finish_reason,
                                          request.num_prompt_tokens, request.num_cached_tokens,
                                          [asked[request.request_id]] if request.request_id in asked else None,
-                                         prompt))
+                                         prompt, error=request.error))
         return outputs
 
     def _async_decode_ok(self, out: SchedulerOutput) -> bool:
@@ -481,7 +496,18 @@ class LLMEngine:
         return self._apply(out, [next(ids) if f else None for f in flags])
 
     def stats(self) -> EngineStats:
-        return self.scheduler.make_stats()
+        """The scheduler's counts, with the prefill tokens its requests still have to
+        compute (``Request.num_prefill_tokens_left``, summed over waiting and running).
+        The heartbeat calls it while a step may run on the engine thread: the queues are
+        copied first (one C call each, so no step mutates them midway)."""
+        s = self.scheduler
+        held = [*s.waiting, *s.running]
+        return replace(s.make_stats(), num_waiting_prefill_tokens=sum(r.num_prefill_tokens_left for r in held))
+
+    def take_kv_events(self) -> KVEvents:
+        """The prefix cache's changes since the last call (``BlockManager.take_kv_events``;
+        the first call starts the recording)."""
+        return self.scheduler.block_manager.take_kv_events()
 
     @property
     def spec_stats(self) -> SpecStats:

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from shared.block_hashes import BlockHasher
 from shared.protocol import FinishReason, TokenLogprobs
 from shared.sampling import SamplingParams
 
@@ -36,6 +37,10 @@ FINISH_REASONS: dict[RequestStatus, FinishReason] = {
     RequestStatus.FINISHED_ABORTED: "abort",
 }
 
+#: What the client reads before llguidance's reason when a request's grammar fails
+#: (``Request.error``, and the engine's refusal of a grammar it cannot build).
+GRAMMAR_FAILED = "the structured output constraint failed"
+
 
 @dataclass(eq=False, slots=True)
 class Request:
@@ -48,9 +53,10 @@ class Request:
     ``grammar`` is the matcher of a structured output (``sampling.structured``): it has
     consumed every output token, and each appended token advances it once (recompute after
     preemption appends nothing, so it consumes nothing).
-    ``block_hashes``: the chained hashes of its first full blocks (``block_manager``),
-    each computed once, on demand; ``token_ids`` only grows, so they stay valid for the
-    request's life, preemptions included.
+    ``block_hasher``: the chained hashes of its first full blocks (``shared.block_hashes``;
+    ``block_hashes`` lists them), each computed once, on demand, by the block manager
+    (``BlockManager.block_hash_at``; None until it first hashes one); ``token_ids`` only
+    grows, so they stay valid for the request's life, preemptions included.
     ``prompt_logprobs``: while the request asks for them (``sampling.prompt_logprobs``)
     and has not delivered them, the entries gathered so far (entry ``i`` scores
     ``prompt_token_ids[i + 1]``; chunked prefill adds to it); ``None`` otherwise (not
@@ -64,6 +70,8 @@ class Request:
     ``num_pending_tokens``: tokens sampled on the device by a step in flight and not in
     ``token_ids`` yet; nonzero only while the scheduler looks ahead past that step
     (``Scheduler.ahead_of``), 0 everywhere else.
+    ``error``: why it was aborted when its grammar failed (``append_token``), for the
+    client; None otherwise.
     """
 
     request_id: str
@@ -80,10 +88,14 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     grammar: GrammarMatcher | None = None
-    block_hashes: list[int] = field(default_factory=list)
+    block_hasher: BlockHasher | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None
     spec_token_ids: list[int] = field(default_factory=list)
     num_pending_tokens: int = 0
+    #: Tokens of its prompt expected in the prefix cache when it is admitted (placement's
+    #: estimate: ``GenerateRequest`` entries carry the uncached part), 0 unknown.
+    num_cached_hint: int = 0
+    error: str | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -102,6 +114,23 @@ class Request:
         """Tokens whose KV is not computed yet: the prompt's rest, or 1 for a decode
         (a token sampled in flight, ``num_pending_tokens``, included)."""
         return len(self.token_ids) + self.num_pending_tokens - self.num_computed_tokens
+
+    @property
+    def block_hashes(self) -> list[bytes]:
+        """The hashes of its first full blocks made so far (``block_hasher``), 16 bytes each."""
+        return self.block_hasher.hashes if self.block_hasher is not None else []
+
+    @property
+    def num_prefill_tokens_left(self) -> int:
+        """Prompt tokens (and, after a preemption, output tokens) whose KV is still to be
+        computed before it decodes: ``num_uncomputed_tokens`` when more than a decode's
+        one, else 0. Its prefix-cache hit is known only when it is admitted: until then
+        (nothing computed) ``num_cached_hint`` is taken off, so a worker that pulled a
+        conversation's follow-ups does not count their cached history as work to do."""
+        left = self.num_uncomputed_tokens
+        if self.num_computed_tokens == 0:
+            left -= min(self.num_cached_hint, left - 1)
+        return left if left > 1 else 0
 
     @property
     def num_output_tokens(self) -> int:
@@ -128,7 +157,8 @@ class Request:
         With a grammar, the token advances it first: a grammar that allows nothing more
         but EOS (its end, or EOS consumed where it accepts) stops the request, before
         ``min_tokens`` and with ``ignore_eos`` too; a token it rejects (which its mask
-        rules out) aborts the request.
+        rules out, or any token once a limit put it in llguidance's error state) aborts
+        the request with ``error`` set.
         """
         self.token_ids.append(token_id)
         params = self.sampling
@@ -137,6 +167,7 @@ class Request:
         if self.grammar is not None:
             if not self.grammar.accept(token_id):
                 self.status = RequestStatus.FINISHED_ABORTED
+                self.error = f"{GRAMMAR_FAILED}: {self.grammar.error or 'token rejected'}"
                 return
             grammar_ended = self.grammar.is_finished
         if grammar_ended or (num_out >= params.min_tokens and (

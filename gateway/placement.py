@@ -1,0 +1,425 @@
+"""Placement: which worker's stream a request goes to, chosen at enqueue by where its
+prompt's prefix is cached and how much work each worker has queued
+(docs/architecture.md, "Placement").
+
+Inputs, all in Redis:
+
+- each live worker's KV index ``Keys.kv_index`` (the 16-byte block hashes its prefix
+  cache holds, from its KV events, plus those of prompts placed on it: the prediction
+  that SGLang's cache-aware router makes by inserting a routed prompt into that worker's
+  tree, shared here by every gateway);
+- each worker's prefill tokens waiting in its placed streams (``Keys.placed_tokens``,
+  kept exact by the enqueue and pull scripts), the prompt tokens it holds uncomputed
+  (``Keys.worker_load``, which it writes in every step's publish pipeline when the figure
+  changed; its heartbeat's ``num_waiting_prefill_tokens`` as a fallback: a second old
+  figure made follow-ups leave the worker that holds their history) and, from its
+  heartbeat, its step budget (``max_num_batched_tokens``).
+
+One Lua script per request (``_READ``) finds every candidate worker's cached overlap
+(the prompt's blocks from the first, up to the first one the worker lacks: what its block
+manager's lookup will find) and its placed tokens: one round trip for a whole group
+commit of requests (``Placer.read``). The policies (``DispatchPolicy``):
+
+- ``cache_aware`` (default): cost(w) = uncached prefill tokens on w + queued prefill on w
+  (Dynamo's KV router: prefill blocks to compute plus the worker's load; llm-d weighs a
+  prefix scorer against queue and KV scorers); the lowest cost wins. A worker whose
+  queue holds more than ``max_queued_steps`` of its steps' prefill is saturated: a
+  request goes to the shared stream, for whichever worker frees first, unless its
+  cached part on the best worker is larger than its uncached part (Preble's rule:
+  compute follows the cache when the cache dominates).
+- ``load``: the lowest queued prefill, no cache term; saturated: shared stream.
+- ``random``: a uniformly random live worker (the baseline every paper compares with).
+
+Session affinity (``session``): a session id (``X-Session-ID``, or the body's ``user``,
+by ``GatewaySettings.session_affinity``) maps to one live worker by rendezvous hashing,
+so every gateway agrees without shared state and only the sessions of a worker that
+leaves move; that worker is used unless it is saturated.
+
+What this gateway placed on a worker since that worker's last heartbeat counts in its
+``queued`` (the heartbeat cannot show it yet, and the placed-tokens hash forgets an entry
+once it is pulled), so a burst spreads however fresh the heartbeats are; equal costs are
+broken by running requests, then at random.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
+from redis.exceptions import NoScriptError
+from starlette.requests import Request
+
+from shared.block_hashes import HASH_BYTES, block_hashes
+from shared.fair_queue import Placement
+from shared.keys import HEARTBEAT_INTERVAL_S, Keys
+from shared.liveness import ready_workers
+from shared.protocol import WorkerStatus
+from shared.settings import DISPATCH_POLICIES, GatewaySettings
+
+log = logging.getLogger(__name__)
+
+#: One of ``shared.settings.DISPATCH_POLICIES``.
+DispatchPolicy = Literal["cache_aware", "load", "random"]
+
+#: Outcomes counted per worker in ``inferq:placements`` (``PlacementDecision.reason``).
+REASONS = ("cache", "load", "session", "random", "shared")
+
+# KEYS: the candidate workers' KV indexes, then the placed-tokens hash, the load hash.
+# ARGV: the workers' ids (one per index, same order), then the prompt's block hashes
+#       concatenated (HASH_BYTES each: one argument, not hundreds, so the client packs
+#       one string per request).
+# Returns {overlap per worker..., placed tokens per worker..., load per worker (-1:
+# none)...}: overlap = how many of the blocks, from the first, the index holds before its
+# first miss.
+_READ = """
+local n = #KEYS - 2
+local blob = ARGV[n + 1]
+local width = tonumber(ARGV[n + 2])
+local num_blocks = math.floor(#blob / width)
+local out = {}
+for w = 1, n do
+  local k = 0
+  while k < num_blocks do
+    if redis.call('SISMEMBER', KEYS[w], string.sub(blob, k * width + 1, (k + 1) * width)) == 0 then break end
+    k = k + 1
+  end
+  out[w] = k
+end
+local ids = {}
+for w = 1, n do ids[w] = ARGV[w] end
+local tokens = redis.call('HMGET', KEYS[n + 1], unpack(ids))
+for w = 1, n do out[n + w] = tonumber(tokens[w]) or 0 end
+local loads = redis.call('HMGET', KEYS[n + 2], unpack(ids))
+for w = 1, n do out[2 * n + w] = tonumber(loads[w]) or -1 end
+return out
+"""
+
+# KEYS: one worker's KV index. ARGV: block hashes concatenated, then their width.
+# SADDs them all (the prediction of a placement), in slices that Lua's unpack takes.
+_PREDICT = """
+local blob, width = ARGV[1], tonumber(ARGV[2])
+local batch = {}
+for k = 0, math.floor(#blob / width) - 1 do
+  batch[#batch + 1] = string.sub(blob, k * width + 1, (k + 1) * width)
+  if #batch == 1000 then redis.call('SADD', KEYS[1], unpack(batch)); batch = {} end
+end
+if #batch > 0 then redis.call('SADD', KEYS[1], unpack(batch)) end
+return 0
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """What placement knows of one live worker: its id, its queued prefill (tokens: held
+    uncomputed, from its heartbeat, plus waiting in its placed streams) and its step
+    budget (tokens per step)."""
+
+    worker_id: str
+    num_queued_tokens: int
+    max_num_batched_tokens: int
+
+
+@dataclass(slots=True)
+class PlacementQuery:
+    """One request to place: its prompt's block hashes (``shared/block_hashes.py``, only
+    the blocks a worker's lookup may take: at most ``num_prompt_tokens - 1`` tokens), its
+    prompt length (tokens) and its session id ("" none)."""
+
+    hashes: list[bytes]
+    num_prompt_tokens: int
+    session: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementDecision:
+    """A placement and why: ``reason`` is one of ``REASONS``; ``num_cached_tokens`` the
+    prefix expected cached on the chosen worker (0 on the shared stream)."""
+
+    placement: Placement
+    reason: str
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One worker as scored for one request: ``num_cached_tokens`` expected cached there,
+    ``num_queued_tokens`` queued there (counting what this gateway placed on it since its
+    last heartbeat), ``num_running`` requests it runs (from its heartbeat: the tie-break
+    between equal costs, before a random one)."""
+
+    worker_id: str
+    num_cached_tokens: int
+    num_queued_tokens: int
+    max_queued_tokens: int
+    num_running: int = 0
+
+    @property
+    def saturated(self) -> bool:
+        return self.num_queued_tokens > self.max_queued_tokens
+
+
+def rendezvous(session: str, worker_ids: Sequence[str]) -> str:
+    """The worker of ``session`` by rendezvous (highest random weight) hashing: the id
+    with the largest BLAKE2b(session, id). Thaler and Ravishankar, "Using name-based
+    mappings to increase hit rates" (1998)."""
+    return max(worker_ids, key=lambda w: hashlib.blake2b(f"{session}\0{w}".encode(), digest_size=8).digest())
+
+
+def choose(policy: DispatchPolicy, num_prompt_tokens: int, candidates: Sequence[Candidate], session: str = "",
+           rng: random.Random | None = None, prefix_key: str = "", margin_tokens: int = 0) -> PlacementDecision:
+    """Place one request among ``candidates`` (non-empty) by ``policy`` (module docstring).
+
+    ``prefix_key`` names the prompt's first block (its hash, as text; "" none): under
+    ``cache_aware``, a prompt cached nowhere goes to the worker that rendezvous hashing
+    picks for it among those whose cost is within ``margin_tokens`` of the lowest, so
+    gateways that place prompts of one new prefix at the same moment, before any of them
+    sees the others' predictions, mostly pick the same worker.
+
+    Raises:
+        ValueError: no candidates, or an unknown policy.
+    """
+    if not candidates:
+        raise ValueError("no candidate workers")
+    shared = PlacementDecision(Placement(None, num_prompt_tokens), "shared", 0)
+    if policy == "random":
+        pick = (rng or random).choice(list(candidates))
+        return PlacementDecision(Placement(pick.worker_id, num_prompt_tokens - pick.num_cached_tokens), "random",
+                                 pick.num_cached_tokens)
+    if session:
+        sticky_id = rendezvous(session, [c.worker_id for c in candidates])
+        sticky = next(c for c in candidates if c.worker_id == sticky_id)
+        if not sticky.saturated:
+            cached = sticky.num_cached_tokens if policy == "cache_aware" else 0
+            return PlacementDecision(Placement(sticky.worker_id, num_prompt_tokens - cached), "session", cached)
+    # Equal costs are common (idle workers, a burst's first requests): break ties by
+    # running requests, then at random, never by id (which piles work on one worker).
+    order = list(candidates)
+    (rng or random).shuffle(order)
+    if policy == "load":
+        best = min(order, key=lambda c: (c.num_queued_tokens, c.num_running))
+        if best.saturated:
+            return shared
+        return PlacementDecision(Placement(best.worker_id, num_prompt_tokens), "load", 0)
+    if policy != "cache_aware":
+        raise ValueError(f"unknown dispatch policy {policy!r}")
+    def cost(c: Candidate) -> int:
+        return num_prompt_tokens - c.num_cached_tokens + c.num_queued_tokens
+
+    best = min(order, key=lambda c: (cost(c), -c.num_cached_tokens, c.num_running))
+    if prefix_key and best.num_cached_tokens == 0 and not any(c.num_cached_tokens for c in order):
+        near = [c for c in order if cost(c) <= cost(best) + margin_tokens]
+        best = next(c for c in near if c.worker_id == rendezvous(prefix_key, [n.worker_id for n in near]))
+    uncached = num_prompt_tokens - best.num_cached_tokens
+    if best.saturated and best.num_cached_tokens <= uncached:
+        return shared
+    return PlacementDecision(Placement(best.worker_id, uncached), "cache" if best.num_cached_tokens else "load",
+                             best.num_cached_tokens)
+
+
+@dataclass(slots=True)
+class WorkerView:
+    """The ready workers of the model (from their heartbeats, refreshed every
+    ``HEARTBEAT_INTERVAL_S`` by ``refresh_loop``) and the block size they agree on
+    (None when none is ready or two disagree: nothing can be placed then)."""
+
+    workers: list[WorkerStatus] = field(default_factory=list)
+    block_size: int | None = None
+    disagreement: str = ""
+
+    def update(self, workers: list[WorkerStatus]) -> None:
+        """Take a new list of ready workers; log when their block sizes start to disagree."""
+        sizes = {w.block_size for w in workers}
+        self.workers = workers
+        if len(sizes) > 1:
+            text = ", ".join(f"{w.worker_id}: {w.block_size}" for w in workers)
+            if text != self.disagreement:
+                log.error("workers disagree on the KV block size (%s): placement is off until they agree", text)
+            self.disagreement, self.block_size = text, None
+        else:
+            self.disagreement = ""
+            self.block_size = next(iter(sizes)) if sizes else None
+
+
+class Placer:
+    """Places requests for one model (``choose`` over the live workers' overlap and load).
+
+    ``policy``: a ``DispatchPolicy``; ``max_queued_steps``: steps of a worker's
+    ``max_num_batched_tokens`` of queued prefill past which it counts as saturated.
+    """
+
+    def __init__(self, client: aioredis.Redis, keys: Keys, model: str, policy: DispatchPolicy,
+                 max_queued_steps: float, rng: random.Random | None = None) -> None:
+        if policy not in DISPATCH_POLICIES:
+            raise ValueError(f"unknown dispatch policy {policy!r}")
+        self.client = client
+        self.keys = keys
+        self.model = model
+        self.policy = policy
+        self.max_queued_steps = max_queued_steps
+        self.view = WorkerView()
+        #: Called with the ready workers after each refresh (the per-worker gauges).
+        self.on_refresh: Callable[[list[WorkerStatus]], None] | None = None
+        self._read = client.register_script(_READ)
+        self._predict = client.register_script(_PREDICT)
+        self._predict_loaded = False
+        #: Per worker: (its heartbeat's ``updated_unix_s``, prefill tokens placed on it since).
+        self._since_heartbeat: dict[str, tuple[float, int]] = {}
+        self._rng = rng or random.Random()
+
+    async def refresh(self) -> None:
+        """Read the ready workers now (and hand them to ``on_refresh``, if set).
+
+        Raises:
+            redis.exceptions.RedisError, OSError: Redis unreachable.
+        """
+        self.view.update(await ready_workers(self.client, self.keys, self.model))
+        if self.on_refresh is not None:
+            self.on_refresh(self.view.workers)
+
+    async def refresh_loop(self) -> None:
+        """``refresh`` every ``HEARTBEAT_INTERVAL_S`` forever; Redis errors keep the last view."""
+        while True:
+            try:
+                await self.refresh()
+            except Exception as exc:  # noqa: BLE001 - Redis down: the relay and enqueue report it
+                log.debug("worker view not refreshed: %r", exc)
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    def query(self, prompt_token_ids: Sequence[int], session: str = "") -> PlacementQuery | None:
+        """The placement query of a prompt, or None when nothing can be placed (no ready
+        worker, or workers that disagree on the block size): the request then goes to
+        the shared stream. Hashes only under ``cache_aware`` (the other policies need no
+        overlap); CPU cost: one BLAKE2b per block."""
+        block_size = self.view.block_size
+        if block_size is None:
+            return None
+        hashes = []
+        if self.policy == "cache_aware":
+            # A worker's lookup takes at most num_tokens - 1 tokens (one is computed for logits).
+            usable = prompt_token_ids[:len(prompt_token_ids) - 1]
+            hashes = block_hashes(usable, block_size)
+        return PlacementQuery(hashes, len(prompt_token_ids), session)
+
+    async def place(self, queries: Sequence[PlacementQuery | None]) -> list[tuple[PlacementDecision | None,
+                                                                                    list[bytes]]]:
+        """Place every query, in order, in one round trip: per query its decision (None
+        for a None query: the shared stream) and the block hashes to add to the chosen
+        worker's KV index (the prediction; empty unless placed by ``cache_aware``).
+
+        Raises:
+            redis.exceptions.RedisError, OSError: Redis unreachable.
+        """
+        workers = list(self.view.workers)
+        out: list[tuple[PlacementDecision | None, list[bytes]]] = [(None, []) for _ in queries]
+        todo = [i for i, q in enumerate(queries) if q is not None]
+        if not todo or not workers:
+            return out
+        ids = [w.worker_id for w in workers]
+        kv_keys = [self.keys.kv_index(self.model, w) for w in ids]
+        placed_key = self.keys.placed_tokens(self.model)
+        load_key = self.keys.worker_load(self.model)
+        async with self.client.pipeline(transaction=False) as pipe:
+            for i in todo:
+                q = queries[i]
+                assert q is not None
+                pipe.evalsha(self._read.sha, len(kv_keys) + 2, *kv_keys, placed_key, load_key, *ids,
+                             b"".join(q.hashes), HASH_BYTES)
+            replies = await pipe.execute(raise_on_error=False)
+        if any(_is_noscript(r) for r in replies):
+            self._read.sha = await self.client.script_load(_READ)
+            return await self.place(queries)
+        if not self._predict_loaded:  # add_predictions runs EVALSHA inside another pipeline
+            self._predict.sha = await self.client.script_load(_PREDICT)
+            self._predict_loaded = True
+        # The blocks this call predicted on each worker: the read scripts ran before any of
+        # them, so a burst of prompts sharing a prefix would otherwise place its first
+        # few on different workers, each computing the prefix.
+        predicted_here: dict[str, set[bytes]] = {w: set() for w in ids}
+        for i, reply in zip(todo, replies, strict=True):
+            q = queries[i]
+            assert q is not None
+            if isinstance(reply, Exception):
+                raise reply
+            n = len(ids)
+            overlaps, placed, loads = reply[:n], reply[n:2 * n], reply[2 * n:]
+            overlaps = [max(int(overlaps[j]), _overlap(q.hashes, predicted_here[w])) for j, w in enumerate(ids)]
+            block_size = workers[0].block_size
+            candidates = [
+                Candidate(worker_id=w.worker_id,
+                          num_cached_tokens=min(int(overlaps[j]) * block_size, q.num_prompt_tokens - 1),
+                          num_queued_tokens=_held(w, int(loads[j])) + int(placed[j]) + self._recent(w),
+                          max_queued_tokens=int(self.max_queued_steps * max(w.max_num_batched_tokens, block_size)),
+                          num_running=w.num_running)
+                for j, w in enumerate(workers)]
+            decision = choose(self.policy, q.num_prompt_tokens, candidates, q.session, self._rng,
+                              prefix_key=q.hashes[0].hex() if q.hashes else "",
+                              margin_tokens=max(w.max_num_batched_tokens for w in workers))
+            target = decision.placement.worker_id
+            if target is not None:
+                status = workers[ids.index(target)]
+                self._since_heartbeat[target] = (status.updated_unix_s,
+                                                 self._recent(status) + decision.placement.num_prefill_tokens)
+            predicted = q.hashes if target is not None and self.policy == "cache_aware" else []
+            if predicted:
+                predicted_here[target].update(predicted)  # type: ignore[index]
+            out[i] = (decision, predicted)
+        return out
+
+    def _recent(self, status: WorkerStatus) -> int:
+        """Prefill tokens this gateway placed on the worker of ``status`` since that
+        heartbeat was written: its ``num_waiting_prefill_tokens`` cannot show them yet, and
+        the placed-tokens hash stops counting them once the worker pulls them. (Compared
+        by the heartbeat's own timestamp, so no clock skew between hosts enters.)"""
+        stamp, tokens = self._since_heartbeat.get(status.worker_id, (0.0, 0))
+        return tokens if stamp >= status.updated_unix_s else 0
+
+    def add_predictions(self, pipe: Pipeline, predictions: Sequence[tuple[str, list[bytes]]]) -> None:
+        """Add to ``pipe`` the SADD of each ``(worker id, block hashes)`` into that
+        worker's KV index (one script call each, the hashes as one string): the prefix of
+        a prompt placed there, before the worker has computed it. A NOSCRIPT reply (Redis
+        restarted since ``place`` loaded the script) only loses the prediction."""
+        for worker_id, hashes in predictions:
+            pipe.evalsha(self._predict.sha, 1, self.keys.kv_index(self.model, worker_id), b"".join(hashes), HASH_BYTES)
+
+
+def _overlap(hashes: Sequence[bytes], held: set[bytes]) -> int:
+    """How many of ``hashes``, from the first, ``held`` holds before its first miss."""
+    for k, h in enumerate(hashes):
+        if h not in held:
+            return k
+    return len(hashes)
+
+
+def _held(status: WorkerStatus, load: int) -> int:
+    """The prompt tokens a worker holds uncomputed: from the load hash (written each step,
+    -1 when absent), else from its heartbeat (up to ``HEARTBEAT_INTERVAL_S`` old)."""
+    return load if load >= 0 else status.num_waiting_prefill_tokens
+
+
+def _is_noscript(reply: object) -> bool:
+    return isinstance(reply, NoScriptError)
+
+
+#: Header that names a request's session (``GatewaySettings.session_affinity``).
+SESSION_HEADER = "X-Session-ID"
+
+
+def session_of(request: Request, body_user: str | None, settings: GatewaySettings) -> str:
+    """The request's session id for affinity, by ``settings.session_affinity``: the
+    ``X-Session-ID`` header (``header``), the body's ``user`` (``user``), the header
+    else the user (``header_or_user``), or "" (``off``, or none given)."""
+    source = settings.session_affinity
+    if source == "off":
+        return ""
+    if source in ("header", "header_or_user"):
+        value = request.headers.get(SESSION_HEADER, "")
+        if value or source == "header":
+            return value
+    return body_user or ""

@@ -1,0 +1,293 @@
+"""Placement (gateway/placement.py) and the placed streams of the fair queue
+(shared/fair_queue.py) on a real Redis: the shared block hashes chain on their parents,
+the policies' choices, the read script's overlap and load, a placed request read first
+by its worker, stolen by another only after ``min_age_ms``, the placed-tokens account,
+and the group commit spreading a burst."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.admission import Enqueuer
+from gateway.placement import Candidate, Placer, choose, rendezvous
+from shared import protocol
+from shared.block_hashes import BlockHasher, block_hashes, chain_hash, root_hash
+from shared.fair_queue import FairQueue, Placement, StealFrom
+from shared.keys import HEARTBEAT_TTL_S, STREAM_FIELD, Keys
+from shared.protocol import GenerateRequest, WorkerStatus
+from shared.sampling import SamplingParams
+
+pytestmark = pytest.mark.timeout(60)
+
+MODEL = "m"
+BLOCK = 16
+
+
+def _keys() -> Keys:
+    return Keys(f"tp{uuid.uuid4().hex[:8]}")
+
+
+def _request(request_id: str, prompt: list[int], priority: int = 1) -> GenerateRequest:
+    return GenerateRequest(request_id=request_id, model=MODEL, prompt_token_ids=prompt,
+                           sampling=SamplingParams(max_tokens=4), reply_channel="tp:gateway:g",
+                           deadline_unix_s=time.time() + 60, priority=priority, tenant="t")
+
+
+def _ids(pulled: list[tuple[str, bytes, dict[bytes, bytes]]]) -> list[str]:
+    return [protocol.decode(fields[STREAM_FIELD]).request_id for _, _, fields in pulled]
+
+
+async def _heartbeat(client: aioredis.Redis, keys: Keys, worker_id: str, *, block_size: int = BLOCK,
+                     waiting: int = 0) -> None:
+    status = WorkerStatus(worker_id=worker_id, model=MODEL, backend="sim", num_running=0, num_waiting=0,
+                          kv_usage=0.0, num_free_blocks=100, block_size=block_size, max_num_seqs=8,
+                          updated_unix_s=time.time(), started_unix_s=time.time(), pid=1,
+                          num_waiting_prefill_tokens=waiting, max_num_batched_tokens=256, num_blocks=100)
+    await client.set(keys.worker_key(worker_id), protocol.encode(status), ex=HEARTBEAT_TTL_S)
+
+
+# -- block hashes -------------------------------------------------------------------
+def test_a_block_hash_depends_on_every_block_before_it() -> None:
+    """Two prompts with the same second block after different first blocks share no hash
+    (the contract a worker's KV events and a gateway's lookup both rely on)."""
+    a = list(range(100, 100 + 2 * BLOCK))
+    b = [7] * BLOCK + a[BLOCK:]
+    ha, hb = block_hashes(a, BLOCK), block_hashes(b, BLOCK)
+    assert len(ha) == len(hb) == 2
+    assert ha[0] != hb[0] and ha[1] != hb[1]
+    assert block_hashes(a, BLOCK) == ha  # deterministic
+    assert ha[1] == chain_hash(chain_hash(root_hash(BLOCK), a[:BLOCK]), a[BLOCK:])
+    assert block_hashes(a, 8)[:2] != ha  # the block size is part of the root
+
+
+def test_the_incremental_hasher_equals_the_whole_prompt_function() -> None:
+    tokens = [random.Random(0).randrange(50_000) for _ in range(10 * BLOCK + 5)]
+    hasher = BlockHasher(BLOCK)
+    hasher.extend(tokens, 3)
+    hasher.extend(tokens, 3)
+    assert hasher.extend(tokens, 10) == block_hashes(tokens, BLOCK)
+    with pytest.raises(ValueError):
+        hasher.extend(tokens, 11)
+
+
+# -- the policies ------------------------------------------------------------------------
+def _cand(worker_id: str, cached: int = 0, queued: int = 0, limit: int = 10_000) -> Candidate:
+    return Candidate(worker_id, cached, queued, limit)
+
+
+def test_cache_aware_follows_the_cache_until_the_queue_costs_more() -> None:
+    both = [_cand("a", cached=960), _cand("b")]
+    decision = choose("cache_aware", 1000, both)
+    assert decision.placement == Placement("a", 40) and decision.reason == "cache"
+    # a's queue is longer than what its cache saves: b computes the prompt sooner.
+    busy = [_cand("a", cached=960, queued=2000), _cand("b", queued=100)]
+    assert choose("cache_aware", 1000, busy).placement == Placement("b", 1000)
+
+
+def test_cache_aware_without_any_cache_places_by_load() -> None:
+    decision = choose("cache_aware", 500, [_cand("a", queued=300), _cand("b", queued=200)])
+    assert decision.placement == Placement("b", 500) and decision.reason == "load"
+
+
+def test_saturated_workers_send_uncached_work_to_the_shared_stream() -> None:
+    full = [_cand("a", queued=5000, limit=4000), _cand("b", queued=4500, limit=4000)]
+    assert choose("cache_aware", 500, full).placement == Placement(None, 500)
+    assert choose("load", 500, full).reason == "shared"
+    # ...but a prompt mostly cached on one still goes there (the cache dominates).
+    cached = [_cand("a", cached=900, queued=5000, limit=4000), _cand("b", queued=4500, limit=4000)]
+    assert choose("cache_aware", 1000, cached).placement == Placement("a", 100)
+
+
+def test_a_session_sticks_to_one_worker_unless_it_is_saturated() -> None:
+    workers = [_cand("a"), _cand("b"), _cand("c")]
+    sticky = rendezvous("s-1", ["a", "b", "c"])
+    assert all(choose("cache_aware", 100, workers, session="s-1").placement.worker_id == sticky for _ in range(3))
+    assert choose("load", 100, workers, session="s-1").reason == "session"
+    # Sessions spread: 300 sessions over 3 workers, none with more than half.
+    counts = {w: 0 for w in "abc"}
+    for i in range(300):
+        counts[rendezvous(f"s{i}", ["a", "b", "c"])] += 1
+    assert max(counts.values()) < 150
+    overloaded = [_cand(w, queued=20_000 if w == sticky else 0) for w in "abc"]
+    assert choose("cache_aware", 100, overloaded, session="s-1").placement.worker_id != sticky
+
+
+def test_random_spreads_over_every_worker() -> None:
+    rng = random.Random(1)
+    picks = {choose("random", 10, [_cand("a"), _cand("b")], rng=rng).placement.worker_id for _ in range(50)}
+    assert picks == {"a", "b"}
+
+
+# -- on Redis ------------------------------------------------------------------------------
+async def test_the_read_script_finds_each_workers_overlap_and_queue(client: aioredis.Redis) -> None:
+    keys = _keys()
+    for w in ("w1", "w2"):
+        await _heartbeat(client, keys, w)
+    prompt = list(range(1, 10 * BLOCK + 2))  # 10 full lookup blocks
+    hashes = block_hashes(prompt[:-1], BLOCK)
+    await client.sadd(keys.kv_index(MODEL, "w1"), *hashes[:6])
+    await client.sadd(keys.kv_index(MODEL, "w2"), *hashes[:2], *hashes[3:])  # a hole at block 2
+    await client.hset(keys.placed_tokens(MODEL), "w2", 5)
+    placer = Placer(client, keys, MODEL, "cache_aware", 8.0)
+    await placer.refresh()
+    query = placer.query(prompt)
+    assert query is not None and query.hashes == hashes
+    [(decision, predicted)] = await placer.place([query])
+    assert decision is not None and decision.placement == Placement("w1", len(prompt) - 6 * BLOCK)
+    assert decision.num_cached_tokens == 6 * BLOCK and predicted == hashes
+    # The read stops at w2's first miss, as its block manager's lookup would.
+    await client.hset(keys.worker_load(MODEL), "w1", 7)
+    reply = await client.evalsha(placer._read.sha, 4, keys.kv_index(MODEL, "w1"), keys.kv_index(MODEL, "w2"),
+                                 keys.placed_tokens(MODEL), keys.worker_load(MODEL), "w1", "w2", b"".join(hashes),
+                                 len(hashes[0]))
+    assert reply == [6, 2, 0, 5, 7, -1]
+    async with client.pipeline(transaction=False) as pipe:
+        placer.add_predictions(pipe, [("w2", predicted)])
+        await pipe.execute()
+    assert await client.sismember(keys.kv_index(MODEL, "w2"), hashes[2])
+
+
+
+async def test_no_placement_without_agreeing_workers(client: aioredis.Redis) -> None:
+    keys = _keys()
+    placer = Placer(client, keys, MODEL, "cache_aware", 8.0)
+    await placer.refresh()
+    assert placer.query([1, 2, 3]) is None  # no worker yet
+    await _heartbeat(client, keys, "w1", block_size=16)
+    await _heartbeat(client, keys, "w2", block_size=32)
+    await placer.refresh()
+    assert placer.view.block_size is None and placer.query(list(range(100))) is None
+
+
+async def test_a_placed_request_is_its_workers_first_and_counts_its_prefill(client: aioredis.Redis) -> None:
+    keys = _keys()
+    queue = FairQueue(client, keys, MODEL)
+    await queue.enqueue(queue.stream("default", "t"), [_request("shared-1", [1, 2, 3])])
+    await queue.enqueue(queue.stream("default", "t"), [_request("placed-1", [4, 5, 6])],
+                        placement=Placement("w1", 3))
+    assert int(await client.hget(keys.placed_tokens(MODEL), "w1")) == 3
+    assert await client.llen(keys.worker_doorbell(MODEL, "w1")) == 1
+    # Another worker does not see it on its own streams...
+    assert _ids(await queue.pull("w2", 5)) == ["shared-1"]
+    # ...its worker takes it, and the placed tokens go back to 0.
+    pulled = await queue.pull("w1", 5)
+    assert _ids(pulled) == ["placed-1"] and pulled[0][0] == keys.placed_stream(MODEL, "w1", "default")
+    assert int(await client.hget(keys.placed_tokens(MODEL), "w1")) == 0
+    assert await client.llen(keys.worker_doorbell(MODEL, "w1")) == 0
+
+
+async def test_an_entry_is_stolen_only_after_it_waited_long_enough(client: aioredis.Redis) -> None:
+    keys = _keys()
+    queue = FairQueue(client, keys, MODEL)
+    await queue.enqueue(queue.stream("default", "t"), [_request("p", [1, 2, 3])], placement=Placement("w1", 3))
+    steal = [StealFrom("w1", "default", 300)]
+    assert await queue.pull("w2", 5, steal=steal) == []
+    await asyncio.sleep(0.4)
+    assert _ids(await queue.pull("w2", 5, steal=steal)) == ["p"]
+    assert int(await client.hget(keys.placed_tokens(MODEL), "w1")) == 0
+    assert await queue.pull("w1", 5) == []  # taken over: it never runs twice
+
+
+async def test_racing_thieves_never_take_the_same_entry(client: aioredis.Redis) -> None:
+    keys = _keys()
+    queue = FairQueue(client, keys, MODEL)
+    for i in range(30):
+        await queue.enqueue(queue.stream("default", "t"), [_request(f"p{i}", [1, 2])], placement=Placement("dead", 2))
+    steal = [StealFrom("dead", "default", 0)]
+    results = await asyncio.gather(*(queue.pull(f"w{k}", 3, steal=steal) for k in range(8) for _ in range(3)))
+    taken = [i for r in results for i in _ids(r)]
+    assert sorted(taken) == sorted(f"p{i}" for i in range(30))
+
+
+async def test_the_prefill_budget_bounds_a_pull(client: aioredis.Redis) -> None:
+    keys = _keys()
+    queue = FairQueue(client, keys, MODEL)
+    for i in range(5):
+        await queue.enqueue(queue.stream("default", "t"), [_request(f"r{i}", list(range(1000)))])
+    # 2,500 tokens of budget: three 1,000-token prompts (the last one crosses it).
+    assert _ids(await queue.pull("w1", 10, prefill_budget=2500)) == ["r0", "r1", "r2"]
+    assert await queue.pull("w1", 10, prefill_budget=0) == []
+    assert _ids(await queue.pull("w1", 10, prefill_budget=1)) == ["r3"]  # one, however long
+
+
+async def test_a_burst_through_the_group_commit_spreads_over_the_workers(client: aioredis.Redis) -> None:
+    """96 prompts without any cache, placed in one group commit: each placement counts
+    the ones before it, so neither worker gets more than half (+1)."""
+    keys = _keys()
+    for w in ("w1", "w2"):
+        await _heartbeat(client, keys, w)
+    queue = FairQueue(client, keys, MODEL)
+    placer = Placer(client, keys, MODEL, "cache_aware", 1000.0)
+    await placer.refresh()
+    enqueuer = Enqueuer(queue, 10_000, placer)
+    prompts = [[i] * 300 for i in range(96)]
+    done = await asyncio.gather(*(enqueuer.enqueue(queue.stream("default", "t"), [_request(f"r{i}", p)],
+                                                   query=placer.query(p)) for i, p in enumerate(prompts)))
+    per_worker = {w: sum(1 for e in done if e.stream == keys.placed_stream(MODEL, w, "default")) for w in ("w1", "w2")}
+    assert per_worker["w1"] + per_worker["w2"] == 96 and max(per_worker.values()) <= 49
+    # The next turn of conversation 5 finds its history where it was placed.
+    first = done[5]  # gather keeps the order
+    follow_up = prompts[5] + [7] * 50
+    again = await enqueuer.enqueue(queue.stream("default", "t"), [_request("r5b", follow_up)],
+                                   query=placer.query(follow_up))
+    assert again.stream == first.stream and again.decision is not None and again.decision.reason == "cache"
+
+
+async def test_the_load_written_each_step_overrides_a_stale_heartbeat(client: aioredis.Redis) -> None:
+    """A heartbeat up to a second old may still show a finished burst's prefill: the
+    per-step load hash says the worker is idle now, so its cached follow-up stays there."""
+    keys = _keys()
+    await _heartbeat(client, keys, "w1", waiting=100_000)
+    await _heartbeat(client, keys, "w2")
+    prompt = list(range(1, 40 * BLOCK + 2))
+    await client.sadd(keys.kv_index(MODEL, "w1"), *block_hashes(prompt[:-1], BLOCK))
+    placer = Placer(client, keys, MODEL, "cache_aware", 1000.0)
+    await placer.refresh()
+    [(stale, _)] = await placer.place([placer.query(prompt)])
+    assert stale is not None and stale.placement.worker_id == "w2"
+    await client.hset(keys.worker_load(MODEL), "w1", 0)
+    [(fresh, _)] = await placer.place([placer.query(prompt)])
+    assert fresh is not None and fresh.placement.worker_id == "w1" and fresh.reason == "cache"
+
+
+async def test_prompts_of_one_prefix_in_one_commit_follow_the_first(client: aioredis.Redis) -> None:
+    """4 system prompts of 640 tokens, 8 questions each, interleaved and placed in one call
+    (one group commit): each group's first prompt goes by load and the other 7 follow it
+    (its prediction counts within the call, before Redis holds it)."""
+    keys = _keys()
+    for w in ("w1", "w2"):
+        await _heartbeat(client, keys, w)
+    placer = Placer(client, keys, MODEL, "cache_aware", 1000.0)
+    await placer.refresh()
+    systems = [list(range(1000 * (g + 1), 1000 * (g + 1) + 40 * BLOCK)) for g in range(4)]
+    prompts = [systems[g] + [7, q, q + 1, q + 2] * 8 for q in range(8) for g in range(4)]
+    placed = await placer.place([placer.query(p) for p in prompts])
+    decisions = [d for d, _ in placed]
+    assert all(d is not None for d in decisions)
+    for g in range(4):
+        group = [d for k, d in enumerate(decisions) if k % 4 == g and d is not None]
+        assert len({d.placement.worker_id for d in group}) == 1, g
+        assert [d.reason for d in group][1:] == ["cache"] * 7
+
+
+def test_a_new_prefix_goes_where_its_first_block_hashes_among_near_equal_workers() -> None:
+    """Two gateways placing the first prompts of one new system prompt at once see no
+    cache and nearly equal loads: the first block's rendezvous hash picks the same worker
+    for both; a worker more than the margin busier is left out."""
+    near = [_cand("a", queued=100), _cand("b", queued=0), _cand("c", queued=50)]
+    picks = {choose("cache_aware", 500, near, prefix_key="block-0-of-prefix-x", margin_tokens=256,
+                    rng=random.Random(seed)).placement.worker_id for seed in range(20)}
+    assert len(picks) == 1
+    far = [_cand("a", queued=5000), _cand("b", queued=0), _cand("c", queued=4000)]
+    assert choose("cache_aware", 500, far, prefix_key="block-0-of-prefix-x", margin_tokens=256).placement == \
+        Placement("b", 500)
+    # Different prefixes spread over the near-equal workers.
+    spread = {choose("cache_aware", 500, near, prefix_key=f"p{i}", margin_tokens=256).placement.worker_id
+              for i in range(30)}
+    assert spread == {"a", "b", "c"}
