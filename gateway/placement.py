@@ -18,7 +18,7 @@ Inputs, all in Redis:
 One Lua script per request (``_READ``) finds every candidate worker's cached overlap
 (the prompt's blocks from the first, up to the first one the worker lacks: what its block
 manager's lookup will find) and its placed tokens: one round trip for a whole group
-commit of requests (``Placer.read``). The policies (``DispatchPolicy``):
+commit of requests (``Placer.place``). The policies (``DispatchPolicy``):
 
 - ``cache_aware`` (default): cost(w) = uncached prefill tokens on w + queued prefill on w
   (Dynamo's KV router: prefill blocks to compute plus the worker's load; llm-d weighs a
@@ -113,17 +113,6 @@ end
 if #batch > 0 then redis.call('SADD', KEYS[1], unpack(batch)) end
 return 0
 """
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerLoad:
-    """What placement knows of one live worker: its id, its queued prefill (tokens: held
-    uncomputed, from its heartbeat, plus waiting in its placed streams) and its step
-    budget (tokens per step)."""
-
-    worker_id: str
-    num_queued_tokens: int
-    max_num_batched_tokens: int
 
 
 @dataclass(slots=True)
