@@ -35,6 +35,27 @@ def _lines(n: int, max_tokens: int, prefix: str = "req") -> bytes:
     }) + "\n" for i in range(n)).encode()
 
 
+
+def wait_for_batch(client: Any, batch_worker: Any, log_path: Path, batch_id: str, until: tuple[str, ...],
+                   min_done: int | None, timeout_s: float) -> Any:
+    """Poll batch ``batch_id`` through the openai ``client`` until its status is in
+    ``until`` (or, with ``min_done``, until that many lines have a result), while the
+    ``batch_worker`` process lives (else fail with the end of its log at ``log_path``).
+
+    Raises:
+        TimeoutError: not there after ``timeout_s`` seconds.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        batch = client.batches.retrieve(batch_id)
+        counts = batch.request_counts
+        done = counts.completed + counts.failed if counts else 0
+        if batch.status in until or (min_done is not None and done >= min_done):
+            return batch
+        assert batch_worker.poll() is None, log_path.read_text()[-3000:]
+        time.sleep(0.1)
+    raise TimeoutError(f"batch {batch_id} still {batch.status} ({batch.request_counts})")
+
 class Stack:
     """Redis + sim worker + gateway + batch worker, started once for the module."""
 
@@ -77,16 +98,8 @@ class Stack:
              min_done: int | None = None) -> Any:
         """Poll the batch until its status is in ``until`` (or, with ``min_done``, until
         that many lines have a result)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            batch = self.client.batches.retrieve(batch_id)
-            counts = batch.request_counts
-            done = counts.completed + counts.failed if counts else 0
-            if batch.status in until or (min_done is not None and done >= min_done):
-                return batch
-            assert self.batch_worker.poll() is None, (self.tmp / "batch-worker.log").read_text()[-3000:]
-            time.sleep(0.1)
-        raise TimeoutError(f"batch {batch_id} still {batch.status} ({batch.request_counts})")
+        return wait_for_batch(self.client, self.batch_worker, self.tmp / "batch-worker.log", batch_id, until,
+                              min_done, timeout_s)
 
     def num_finished(self) -> float:
         """Requests the gateway has finished so far (``inferq:request_success``, all reasons)."""

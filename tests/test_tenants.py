@@ -24,7 +24,7 @@ from gateway.tenants import tenant_id
 from shared.keys import Keys
 from shared.server_secret import tenant_key
 from tests import processes
-from tests.test_batches import FINAL, MODEL, SIM_STEP_MS, _lines
+from tests.test_batches import FINAL, MODEL, SIM_STEP_MS, _lines, wait_for_batch
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -89,16 +89,8 @@ class Stack:
 
     def wait(self, batch_id: str, until: tuple[str, ...], min_done: int | None = None, timeout_s: float = 60.0,
              key: str = "k1") -> Any:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            batch = self.client(key).batches.retrieve(batch_id)
-            counts = batch.request_counts
-            done = counts.completed + counts.failed if counts else 0
-            if batch.status in until or (min_done is not None and done >= min_done):
-                return batch
-            assert self.batch_worker.poll() is None, (self.tmp / "batch-worker.log").read_text()[-3000:]
-            time.sleep(0.1)
-        raise TimeoutError(f"batch {batch_id} still {batch.status} ({batch.request_counts})")
+        return wait_for_batch(self.client(key), self.batch_worker, self.tmp / "batch-worker.log", batch_id, until,
+                              min_done, timeout_s)
 
     def close(self) -> None:
         for proc in (self.batch_worker, *self.gateways, self.worker):
