@@ -19,6 +19,7 @@ import asyncio
 import json
 import platform
 import random
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -72,6 +73,17 @@ async def _measure(url: str, prompt_len: int, num_workers: int, num_requests: in
             "round_trips_per_request": 1 / batch}
 
 
+def _cpu_model() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompt-lens", default="1000,4000")
@@ -91,8 +103,8 @@ def main() -> None:
               f"place {r['place_cpu_us_per_request']:7.1f} us CPU ({r['place_wall_us_per_request']:7.1f} us wall)  "
               f"total {r['total_cpu_us_per_request']:7.1f} us  round trips {r['round_trips_per_request']:.2f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"command": "python -m bench.placement_cost", "host": platform.node(),
-                                          "cpu": platform.processor() or platform.machine(),
+    Path(args.out).write_text(json.dumps({"command": " ".join(["python -m bench.placement_cost", *sys.argv[1:]]),
+                                          "host": platform.node(), "cpu": _cpu_model(),
                                           "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=1) + "\n")
 
 

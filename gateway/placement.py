@@ -15,13 +15,14 @@ Inputs, all in Redis:
   figure made follow-ups leave the worker that holds their history) and, from its
   heartbeat, its step budget (``max_num_batched_tokens``).
 
-One Lua script per request (``_READ``) finds every candidate worker's cached overlap
-(the prompt's blocks from the first, up to the first one the worker lacks: what its block
-manager's lookup will find) and its placed tokens: one round trip for a whole group
-commit of requests (``Placer.place``). The policies (``DispatchPolicy``):
+One Lua script call per group commit (``_READ``, ``Placer.place``: one round trip)
+finds, for each request and candidate worker, the cached overlap (the prompt's lookup
+hashes, one every ``PLACEMENT_TOKENS`` tokens, from the first up to the first one the
+worker lacks: what its block manager's lookup will find, to ``PLACEMENT_TOKENS``) and
+each worker's placed tokens and load. The policies (``DispatchPolicy``):
 
-- ``cache_aware`` (default): cost(w) = uncached prefill tokens on w + queued prefill on w
-  (Dynamo's KV router: prefill blocks to compute plus the worker's load; llm-d weighs a
+- ``cache_aware`` (default): cost(w) = ``UNCACHED_WEIGHT`` (2) x uncached prefill tokens
+  on w + queued prefill on w (Dynamo's KV router: prefill blocks to compute plus the worker's load; llm-d weighs a
   prefix scorer against queue and KV scorers); the lowest cost wins. A worker whose
   queue holds more than ``max_queued_steps`` of its steps' prefill is saturated: a
   request goes to the shared stream, for whichever worker frees first, unless its
@@ -53,10 +54,9 @@ from typing import Literal
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
-from redis.exceptions import NoScriptError
 from starlette.requests import Request
 
-from shared.block_hashes import HASH_BYTES, block_hashes
+from shared.block_hashes import HASH_BYTES, sampled_block_hashes
 from shared.fair_queue import Placement
 from shared.keys import HEARTBEAT_INTERVAL_S, Keys
 from shared.liveness import ready_workers
@@ -68,36 +68,59 @@ log = logging.getLogger(__name__)
 #: One of ``shared.settings.DISPATCH_POLICIES``.
 DispatchPolicy = Literal["cache_aware", "load", "random"]
 
+#: Weight of a request's uncached prefill tokens against queued ones in ``cache_aware``'s
+#: cost: they delay the request itself and then everything queued after it on that
+#: worker, where queued tokens only delay the request. With weight 1 the second prompt
+#: of a new system prompt found the first one's prefill queued on its worker and went to
+#: the other, computing the prefix twice (48 of 64 groups in a burst on 2 x H200,
+#: 2026-11-28); llm-d likewise weighs its prefix scorer 3 against its queue scorer 2.
+UNCACHED_WEIGHT = 2
+
+#: Placement looks a prompt up every ``PLACEMENT_TOKENS`` tokens (every
+#: ``placement_stride(block_size)``-th block hash): the cached overlap it sees is exact
+#: to that many tokens, and hashing a 4,000-token prompt costs one BLAKE2b pass plus 31
+#: finalizations instead of 250 (bench/placement_cost.py). Every gateway must use the
+#: same figure, since one gateway's predictions are what another looks up.
+PLACEMENT_TOKENS = 128
+
+
+def placement_stride(block_size: int) -> int:
+    """Block hashes per placement lookup step: ``PLACEMENT_TOKENS // block_size``, at least 1."""
+    return max(1, PLACEMENT_TOKENS // block_size)
+
+
 #: Outcomes counted per worker in ``inferq:placements`` (``PlacementDecision.reason``).
 REASONS = ("cache", "load", "session", "random", "shared")
 
 # KEYS: the candidate workers' KV indexes, then the placed-tokens hash, the load hash.
-# ARGV: the workers' ids (one per index, same order), then the prompt's block hashes
-#       concatenated (HASH_BYTES each: one argument, not hundreds, so the client packs
-#       one string per request).
-# Returns {overlap per worker..., placed tokens per worker..., load per worker (-1:
-# none)...}: overlap = how many of the blocks, from the first, the index holds before its
-# first miss.
+# ARGV: the workers' ids (one per index, same order), the hash width, then per request
+#       its sampled block hashes concatenated (HASH_BYTES each: one argument per request,
+#       so the client packs one string per request and one command per group commit).
+# Returns {placed tokens per worker..., load per worker (-1: none)..., then per request
+# the overlap per worker...}: overlap = how many of the request's hashes, from the
+# first, the index holds before its first miss.
 _READ = """
 local n = #KEYS - 2
-local blob = ARGV[n + 1]
-local width = tonumber(ARGV[n + 2])
-local num_blocks = math.floor(#blob / width)
-local out = {}
-for w = 1, n do
-  local k = 0
-  while k < num_blocks do
-    if redis.call('SISMEMBER', KEYS[w], string.sub(blob, k * width + 1, (k + 1) * width)) == 0 then break end
-    k = k + 1
-  end
-  out[w] = k
-end
+local width = tonumber(ARGV[n + 1])
 local ids = {}
 for w = 1, n do ids[w] = ARGV[w] end
+local out = {}
 local tokens = redis.call('HMGET', KEYS[n + 1], unpack(ids))
-for w = 1, n do out[n + w] = tonumber(tokens[w]) or 0 end
+for w = 1, n do out[w] = tonumber(tokens[w]) or 0 end
 local loads = redis.call('HMGET', KEYS[n + 2], unpack(ids))
-for w = 1, n do out[2 * n + w] = tonumber(loads[w]) or -1 end
+for w = 1, n do out[n + w] = tonumber(loads[w]) or -1 end
+for r = n + 2, #ARGV do
+  local blob = ARGV[r]
+  local num_blocks = math.floor(#blob / width)
+  for w = 1, n do
+    local k = 0
+    while k < num_blocks do
+      if redis.call('SISMEMBER', KEYS[w], string.sub(blob, k * width + 1, (k + 1) * width)) == 0 then break end
+      k = k + 1
+    end
+    out[#out + 1] = k
+  end
+end
 return out
 """
 
@@ -117,13 +140,16 @@ return 0
 
 @dataclass(slots=True)
 class PlacementQuery:
-    """One request to place: its prompt's block hashes (``shared/block_hashes.py``, only
-    the blocks a worker's lookup may take: at most ``num_prompt_tokens - 1`` tokens), its
-    prompt length (tokens) and its session id ("" none)."""
+    """One request to place: the hashes of every ``tokens_per_hash // block_size``-th
+    block of its prompt (``shared.block_hashes.sampled_block_hashes``; only the blocks a
+    worker's lookup may take: at most ``num_prompt_tokens - 1`` tokens), its prompt
+    length (tokens) and its session id ("" none). ``hashes[k]`` names the prompt's first
+    ``(k + 1) * tokens_per_hash`` tokens."""
 
     hashes: list[bytes]
     num_prompt_tokens: int
     session: str = ""
+    tokens_per_hash: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,14 +166,24 @@ class PlacementDecision:
 class Candidate:
     """One worker as scored for one request: ``num_cached_tokens`` expected cached there,
     ``num_queued_tokens`` queued there (counting what this gateway placed on it since its
-    last heartbeat), ``num_running`` requests it runs (from its heartbeat: the tie-break
-    between equal costs, before a random one)."""
+    last heartbeat, and earlier in the same group commit), ``num_running`` requests it
+    runs (from its heartbeat: the tie-break between equal costs, before a random one).
+    ``num_shared_queued_tokens``: what every gateway reads from Redis plus what this
+    group commit placed so far (None: ``num_queued_tokens``), without this gateway's
+    earlier placements that only it counts; gateways judge on it which workers are near
+    the cheapest for a prompt cached nowhere, so that concurrent gateways agree."""
 
     worker_id: str
     num_cached_tokens: int
     num_queued_tokens: int
     max_queued_tokens: int
     num_running: int = 0
+    num_shared_queued_tokens: int | None = None
+
+    @property
+    def shared_queued_tokens(self) -> int:
+        """``num_shared_queued_tokens``, or ``num_queued_tokens`` when not given."""
+        return self.num_queued_tokens if self.num_shared_queued_tokens is None else self.num_shared_queued_tokens
 
     @property
     def saturated(self) -> bool:
@@ -167,9 +203,12 @@ def choose(policy: DispatchPolicy, num_prompt_tokens: int, candidates: Sequence[
 
     ``prefix_key`` names the prompt's first block (its hash, as text; "" none): under
     ``cache_aware``, a prompt cached nowhere goes to the worker that rendezvous hashing
-    picks for it among those whose cost is within ``margin_tokens`` of the lowest, so
+    picks for it among the unsaturated ones whose queue, as every gateway sees it
+    (``Candidate.shared_queued_tokens``), is within ``margin_tokens`` of the shortest, so
     gateways that place prompts of one new prefix at the same moment, before any of them
-    sees the others' predictions, mostly pick the same worker.
+    sees the others' predictions, pick the same worker. (Judged on each gateway's own
+    view, which also counts what it alone placed since the last heartbeats, two gateways
+    in a burst split 48 of 64 new prefixes between two workers: 2 x H200, 2026-11-28.)
 
     Raises:
         ValueError: no candidates, or an unknown policy.
@@ -199,11 +238,13 @@ def choose(policy: DispatchPolicy, num_prompt_tokens: int, candidates: Sequence[
     if policy != "cache_aware":
         raise ValueError(f"unknown dispatch policy {policy!r}")
     def cost(c: Candidate) -> int:
-        return num_prompt_tokens - c.num_cached_tokens + c.num_queued_tokens
+        return UNCACHED_WEIGHT * (num_prompt_tokens - c.num_cached_tokens) + c.num_queued_tokens
 
     best = min(order, key=lambda c: (cost(c), -c.num_cached_tokens, c.num_running))
     if prefix_key and best.num_cached_tokens == 0 and not any(c.num_cached_tokens for c in order):
-        near = [c for c in order if cost(c) <= cost(best) + margin_tokens]
+        open_ = [c for c in order if not c.saturated] or order
+        floor = min(c.shared_queued_tokens for c in open_)
+        near = [c for c in open_ if c.shared_queued_tokens <= floor + margin_tokens]
         best = next(c for c in near if c.worker_id == rendezvous(prefix_key, [n.worker_id for n in near]))
     uncached = num_prompt_tokens - best.num_cached_tokens
     if best.saturated and best.num_cached_tokens <= uncached:
@@ -285,16 +326,18 @@ class Placer:
         """The placement query of a prompt, or None when nothing can be placed (no ready
         worker, or workers that disagree on the block size): the request then goes to
         the shared stream. Hashes only under ``cache_aware`` (the other policies need no
-        overlap); CPU cost: one BLAKE2b per block."""
+        overlap), and only every ``placement_stride(block_size)``-th block: CPU cost one
+        pass of BLAKE2b over the prompt plus one finalization per ``PLACEMENT_TOKENS``."""
         block_size = self.view.block_size
         if block_size is None:
             return None
         hashes = []
+        stride = placement_stride(block_size)
         if self.policy == "cache_aware":
             # A worker's lookup takes at most num_tokens - 1 tokens (one is computed for logits).
             usable = prompt_token_ids[:len(prompt_token_ids) - 1]
-            hashes = block_hashes(usable, block_size)
-        return PlacementQuery(hashes, len(prompt_token_ids), session)
+            hashes = sampled_block_hashes(usable, block_size, stride)
+        return PlacementQuery(hashes, len(prompt_token_ids), session, stride * block_size)
 
     async def place(self, queries: Sequence[PlacementQuery | None]) -> list[tuple[PlacementDecision | None,
                                                                                     list[bytes]]]:
@@ -311,19 +354,14 @@ class Placer:
         if not todo or not workers:
             return out
         ids = [w.worker_id for w in workers]
+        n = len(ids)
         kv_keys = [self.keys.kv_index(self.model, w) for w in ids]
-        placed_key = self.keys.placed_tokens(self.model)
-        load_key = self.keys.worker_load(self.model)
-        async with self.client.pipeline(transaction=False) as pipe:
-            for i in todo:
-                q = queries[i]
-                assert q is not None
-                pipe.evalsha(self._read.sha, len(kv_keys) + 2, *kv_keys, placed_key, load_key, *ids,
-                             b"".join(q.hashes), HASH_BYTES)
-            replies = await pipe.execute(raise_on_error=False)
-        if any(_is_noscript(r) for r in replies):
-            self._read.sha = await self.client.script_load(_READ)
-            return await self.place(queries)
+        blobs = [b"".join(q.hashes) for q in queries if q is not None]
+        # One EVALSHA for the whole commit (redis-py loads the script on NOSCRIPT).
+        reply = await self._read(keys=[*kv_keys, self.keys.placed_tokens(self.model), self.keys.worker_load(self.model)],
+                                 args=[*ids, HASH_BYTES, *blobs])
+        placed, loads = reply[:n], reply[n:2 * n]
+        overlap_rows = [reply[2 * n + k * n:2 * n + (k + 1) * n] for k in range(len(todo))]
         if not self._predict_loaded:  # add_predictions runs EVALSHA inside another pipeline
             self._predict.sha = await self.client.script_load(_PREDICT)
             self._predict_loaded = True
@@ -331,30 +369,35 @@ class Placer:
         # them, so a burst of prompts sharing a prefix would otherwise place its first
         # few on different workers, each computing the prefix.
         predicted_here: dict[str, set[bytes]] = {w: set() for w in ids}
-        for i, reply in zip(todo, replies, strict=True):
+        placed_here: dict[str, int] = dict.fromkeys(ids, 0)  # prefill tokens placed in this call
+        block_size = workers[0].block_size
+        margin = max(w.max_num_batched_tokens for w in workers)
+        # Per worker, fixed for the call: what every gateway reads (held + placed), and
+        # whether the held part is the per-step load (else the heartbeat's: see _queued).
+        shared_base = [_held(w, int(loads[j])) + int(placed[j]) for j, w in enumerate(workers)]
+        fresh = [int(load) >= 0 for load in loads]
+        limits = [int(self.max_queued_steps * max(w.max_num_batched_tokens, block_size)) for w in workers]
+        for i, row in zip(todo, overlap_rows, strict=True):
             q = queries[i]
             assert q is not None
-            if isinstance(reply, Exception):
-                raise reply
-            n = len(ids)
-            overlaps, placed, loads = reply[:n], reply[n:2 * n], reply[2 * n:]
-            overlaps = [max(int(overlaps[j]), _overlap(q.hashes, predicted_here[w])) for j, w in enumerate(ids)]
-            block_size = workers[0].block_size
-            candidates = [
-                Candidate(worker_id=w.worker_id,
-                          num_cached_tokens=min(int(overlaps[j]) * block_size, q.num_prompt_tokens - 1),
-                          num_queued_tokens=_held(w, int(loads[j])) + int(placed[j]) + self._recent(w),
-                          max_queued_tokens=int(self.max_queued_steps * max(w.max_num_batched_tokens, block_size)),
-                          num_running=w.num_running)
-                for j, w in enumerate(workers)]
+            candidates = []
+            for j, w in enumerate(workers):
+                wid = ids[j]
+                overlap = int(row[j])
+                if predicted_here[wid]:
+                    overlap = max(overlap, _overlap(q.hashes, predicted_here[wid]))
+                shared = shared_base[j] + placed_here[wid]
+                queued = shared if fresh[j] else shared_base[j] + self._recent(w)
+                candidates.append(Candidate(wid, min(overlap * q.tokens_per_hash, q.num_prompt_tokens - 1), queued,
+                                            limits[j], w.num_running, shared))
             decision = choose(self.policy, q.num_prompt_tokens, candidates, q.session, self._rng,
-                              prefix_key=q.hashes[0].hex() if q.hashes else "",
-                              margin_tokens=max(w.max_num_batched_tokens for w in workers))
+                              prefix_key=q.hashes[0].hex() if q.hashes else "", margin_tokens=margin)
             target = decision.placement.worker_id
             if target is not None:
                 status = workers[ids.index(target)]
                 self._since_heartbeat[target] = (status.updated_unix_s,
                                                  self._recent(status) + decision.placement.num_prefill_tokens)
+                placed_here[target] += decision.placement.num_prefill_tokens
             predicted = q.hashes if target is not None and self.policy == "cache_aware" else []
             if predicted:
                 predicted_here[target].update(predicted)  # type: ignore[index]
@@ -363,9 +406,12 @@ class Placer:
 
     def _recent(self, status: WorkerStatus) -> int:
         """Prefill tokens this gateway placed on the worker of ``status`` since that
-        heartbeat was written: its ``num_waiting_prefill_tokens`` cannot show them yet, and
-        the placed-tokens hash stops counting them once the worker pulls them. (Compared
-        by the heartbeat's own timestamp, so no clock skew between hosts enters.)"""
+        heartbeat was written (this call's included): its ``num_waiting_prefill_tokens``
+        cannot show them yet, and the placed-tokens hash stops counting them once the
+        worker pulls them. Counted only for a worker without a per-step load figure
+        (whose held tokens come from its heartbeat, up to a second old); the per-step
+        figure shows them to every gateway alike. (Compared by the heartbeat's own
+        timestamp, so no clock skew between hosts enters.)"""
         stamp, tokens = self._since_heartbeat.get(status.worker_id, (0.0, 0))
         return tokens if stamp >= status.updated_unix_s else 0
 
@@ -390,10 +436,6 @@ def _held(status: WorkerStatus, load: int) -> int:
     """The prompt tokens a worker holds uncomputed: from the load hash (written each step,
     -1 when absent), else from its heartbeat (up to ``HEARTBEAT_INTERVAL_S`` old)."""
     return load if load >= 0 else status.num_waiting_prefill_tokens
-
-
-def _is_noscript(reply: object) -> bool:
-    return isinstance(reply, NoScriptError)
 
 
 #: Header that names a request's session (``GatewaySettings.session_affinity``).

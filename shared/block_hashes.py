@@ -3,11 +3,15 @@ caches) and the gateway's placement (where a prompt's prefix is cached) both com
 a hash a worker announces in its KV events means the same tokens to every gateway.
 
 Block ``i`` of a token sequence (tokens ``[i * block_size, (i + 1) * block_size)``) is
-named by a 128-bit BLAKE2b digest of its parent block's hash followed by its own tokens
-(``chain_hash``), the first block's parent being a digest of a domain prefix and the
-block size (``root_hash``): the chained hash of vLLM's automatic prefix caching. A
-block's hash thus depends on every block before it: two prompts that share block ``i``'s
-tokens but not the blocks before it never share its hash.
+named by the 128-bit BLAKE2b digest of a domain prefix, the block size and *every token
+up to the end of block i* (``prefix_hash``). A block's hash thus depends on every block
+before it: two prompts that share block ``i``'s tokens but not the blocks before it
+never share its hash (what vLLM's automatic prefix caching gets by chaining each block's
+hash on its parent's). One BLAKE2b state runs along the sequence (``BlockHasher``); a
+block's hash is a copy of that state, finalized, so hashing costs one pass over the
+token bytes plus one finalization per block, and a reader may take the hash of any
+block without those before it (``sampled_block_hashes``: what placement does, every
+``stride``-th block).
 
 BLAKE2b and 128 bits: a collision would serve one prompt another prompt's KV (possibly
 another tenant's), so the hash must resist chosen inputs (vLLM moved its prefix cache
@@ -19,23 +23,28 @@ Tokens are hashed as little-endian int32 (every vocabulary fits).
 from __future__ import annotations
 
 import hashlib
-import sys
-from array import array
+import struct
 from collections.abc import Sequence
 
 #: Bytes of one block hash (BLAKE2b digest size).
 HASH_BYTES = 16
 #: Prefix of the hashed stream; the version changes when the definition does.
-_DOMAIN = b"inferq-kv-1:"
-
-assert array("i").itemsize == 4
+_DOMAIN = b"inferq-kv-2:"
 
 
-def _token_bytes(token_ids: Sequence[int]) -> bytes:
-    buf = array("i", token_ids)
-    if sys.byteorder != "little":
-        buf.byteswap()
-    return buf.tobytes()
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    """``token_ids`` as little-endian int32 bytes (4 per token: what the hash reads).
+
+    Raises:
+        struct.error: a token id outside int32.
+    """
+    return struct.pack(f"<{len(token_ids)}i", *token_ids)
+
+
+def _start(block_size: int) -> hashlib.blake2b:
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    return hashlib.blake2b(_DOMAIN + block_size.to_bytes(4, "little"), digest_size=HASH_BYTES)
 
 
 class BlockHasher:
@@ -45,16 +54,17 @@ class BlockHasher:
     the blocks from ``len(hashes)`` up to ``num_blocks`` (``token_ids`` must hold at
     least ``num_blocks * block_size`` tokens, and its first blocks must be those already
     hashed: the sequence only grows).
+
+    Raises:
+        ValueError: ``block_size`` not positive.
     """
 
-    __slots__ = ("_root", "block_size", "hashes")
+    __slots__ = ("_state", "block_size", "hashes")
 
     def __init__(self, block_size: int) -> None:
-        if block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {block_size}")
+        self._state = _start(block_size)
         self.block_size = block_size
         self.hashes: list[bytes] = []
-        self._root = root_hash(block_size)
 
     def extend(self, token_ids: Sequence[int], num_blocks: int) -> list[bytes]:
         """Hash blocks ``len(hashes) .. num_blocks - 1``; returns ``hashes``.
@@ -69,26 +79,29 @@ class BlockHasher:
         bs = self.block_size
         if len(token_ids) < num_blocks * bs:
             raise ValueError(f"{len(token_ids)} tokens hold fewer than {num_blocks} blocks of {bs}")
-        data = _token_bytes(token_ids[first * bs:num_blocks * bs])
+        data = memoryview(token_bytes(token_ids[first * bs:num_blocks * bs]))
         step = 4 * bs
-        parent = out[-1] if out else self._root
-        blake = hashlib.blake2b
+        state = self._state
+        update, copy = state.update, state.copy
         for offset in range(0, len(data), step):
-            parent = blake(parent + data[offset:offset + step], digest_size=HASH_BYTES).digest()
-            out.append(parent)
+            update(data[offset:offset + step])
+            out.append(copy().digest())
         return out
 
 
-def root_hash(block_size: int) -> bytes:
-    """The parent hash of a sequence's first block: a digest of the domain prefix and
-    ``block_size``, so hashes made with different block sizes never meet."""
-    return hashlib.blake2b(_DOMAIN + block_size.to_bytes(4, "little"), digest_size=HASH_BYTES).digest()
+def prefix_hash(token_ids: Sequence[int], block_size: int) -> bytes:
+    """The hash of the block that ends ``token_ids`` (``len(token_ids)`` a positive
+    multiple of ``block_size``): BLAKE2b-128 of the domain, the block size and every
+    token of ``token_ids``.
 
-
-def chain_hash(parent: bytes, block_token_ids: Sequence[int]) -> bytes:
-    """The hash of one full block whose parent block hashes to ``parent`` (``root_hash``
-    for the first block): BLAKE2b-128 of ``parent`` followed by the block's tokens."""
-    return hashlib.blake2b(parent + _token_bytes(block_token_ids), digest_size=HASH_BYTES).digest()
+    Raises:
+        ValueError: ``block_size`` not positive, or ``token_ids`` not whole blocks.
+    """
+    if not token_ids or len(token_ids) % block_size:
+        raise ValueError(f"{len(token_ids)} tokens are not whole blocks of {block_size}")
+    state = _start(block_size)
+    state.update(token_bytes(token_ids))
+    return state.digest()
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
@@ -100,3 +113,25 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
     """
     hasher = BlockHasher(block_size)
     return hasher.extend(token_ids, len(token_ids) // block_size)
+
+
+def sampled_block_hashes(token_ids: Sequence[int], block_size: int, stride: int) -> list[bytes]:
+    """The hashes of blocks ``stride - 1, 2 * stride - 1, ...`` among the full blocks of
+    ``token_ids``: ``block_hashes(token_ids, block_size)[stride - 1::stride]``, at one
+    finalization per ``stride`` blocks.
+
+    Raises:
+        ValueError: ``block_size`` or ``stride`` not positive.
+    """
+    if stride <= 0:
+        raise ValueError(f"stride must be positive, got {stride}")
+    state = _start(block_size)
+    step = 4 * block_size * stride
+    num_tokens = len(token_ids) // (block_size * stride) * block_size * stride
+    data = memoryview(token_bytes(token_ids[:num_tokens]))
+    update, copy = state.update, state.copy
+    out = []
+    for offset in range(0, len(data), step):
+        update(data[offset:offset + step])
+        out.append(copy().digest())
+    return out

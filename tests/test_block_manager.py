@@ -136,10 +136,10 @@ def test_a_block_is_shared_only_after_the_same_blocks_before_it() -> None:
 def test_block_hashes_are_the_shared_definition() -> None:
     """The block manager's hashes are ``shared.block_hashes.block_hashes`` of the tokens
     (what gateways compute), for the prompt and for output tokens appended later."""
-    from shared.block_hashes import block_hashes, chain_hash, root_hash
+    from shared.block_hashes import block_hashes, prefix_hash
 
     a, b = block_hashes([1] * 4 + [9] * 4, 4), block_hashes([2] * 4 + [9] * 4, 4)
-    assert a[1] != b[1] and a[1] == chain_hash(chain_hash(root_hash(4), [1] * 4), [9] * 4)
+    assert a[1] != b[1] and a[1] == prefix_hash([1] * 4 + [9] * 4, 4)
     bm = BlockManager(num_blocks=16, block_size=4)
     r = req("a", 10)
     assert [bm.block_hash_at(r, i) for i in range(2)] == block_hashes(r.token_ids, 4)

@@ -15,9 +15,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.admission import Enqueuer
-from gateway.placement import Candidate, Placer, choose, rendezvous
+from gateway.placement import PLACEMENT_TOKENS, Candidate, Placer, choose, placement_stride, rendezvous
 from shared import protocol
-from shared.block_hashes import BlockHasher, block_hashes, chain_hash, root_hash
+from shared.block_hashes import HASH_BYTES, BlockHasher, block_hashes, prefix_hash, sampled_block_hashes
 from shared.fair_queue import FairQueue, Placement, StealFrom
 from shared.keys import HEARTBEAT_TTL_S, STREAM_FIELD, Keys
 from shared.protocol import GenerateRequest, WorkerStatus
@@ -62,8 +62,19 @@ def test_a_block_hash_depends_on_every_block_before_it() -> None:
     assert len(ha) == len(hb) == 2
     assert ha[0] != hb[0] and ha[1] != hb[1]
     assert block_hashes(a, BLOCK) == ha  # deterministic
-    assert ha[1] == chain_hash(chain_hash(root_hash(BLOCK), a[:BLOCK]), a[BLOCK:])
-    assert block_hashes(a, 8)[:2] != ha  # the block size is part of the root
+    assert ha == [prefix_hash(a[:BLOCK], BLOCK), prefix_hash(a, BLOCK)]
+    assert block_hashes(a, 8)[1::2] != ha  # the block size is hashed too
+
+
+def test_sampled_hashes_are_the_workers_block_hashes_at_every_stride() -> None:
+    """What a gateway looks up (every stride-th block) is exactly what a worker announces
+    for those blocks."""
+    tokens = [random.Random(1).randrange(150_000) for _ in range(37 * BLOCK + 3)]
+    every = block_hashes(tokens, BLOCK)
+    for stride in (1, 2, 8, 37, 40):
+        assert sampled_block_hashes(tokens, BLOCK, stride) == every[stride - 1::stride]
+    with pytest.raises(ValueError):
+        sampled_block_hashes(tokens, BLOCK, 0)
 
 
 def test_the_incremental_hasher_equals_the_whole_prompt_function() -> None:
@@ -85,8 +96,10 @@ def test_cache_aware_follows_the_cache_until_the_queue_costs_more() -> None:
     both = [_cand("a", cached=960), _cand("b")]
     decision = choose("cache_aware", 1000, both)
     assert decision.placement == Placement("a", 40) and decision.reason == "cache"
-    # a's queue is longer than what its cache saves: b computes the prompt sooner.
-    busy = [_cand("a", cached=960, queued=2000), _cand("b", queued=100)]
+    # a's queue costs more than what its cache saves (uncached tokens weigh 2): b.
+    assert choose("cache_aware", 1000, [_cand("a", cached=960, queued=1900), _cand("b", queued=100)]).placement \
+        == Placement("a", 40)
+    busy = [_cand("a", cached=960, queued=2100), _cand("b", queued=100)]
     assert choose("cache_aware", 1000, busy).placement == Placement("b", 1000)
 
 
@@ -126,32 +139,39 @@ def test_random_spreads_over_every_worker() -> None:
 
 # -- on Redis ------------------------------------------------------------------------------
 async def test_the_read_script_finds_each_workers_overlap_and_queue(client: aioredis.Redis) -> None:
+    """Workers announce every block's hash; a gateway looks up every
+    ``placement_stride``-th one and finds, per worker, the sampled hashes held from the
+    first to the first miss (in units of ``PLACEMENT_TOKENS``), its placed tokens and
+    its load."""
     keys = _keys()
     for w in ("w1", "w2"):
         await _heartbeat(client, keys, w)
-    prompt = list(range(1, 10 * BLOCK + 2))  # 10 full lookup blocks
-    hashes = block_hashes(prompt[:-1], BLOCK)
-    await client.sadd(keys.kv_index(MODEL, "w1"), *hashes[:6])
-    await client.sadd(keys.kv_index(MODEL, "w2"), *hashes[:2], *hashes[3:])  # a hole at block 2
+    stride = placement_stride(BLOCK)
+    step = stride * BLOCK
+    assert step == PLACEMENT_TOKENS
+    prompt = list(range(1, 10 * step + 2))  # 10 lookup steps
+    every = block_hashes(prompt[:-1], BLOCK)
+    await client.sadd(keys.kv_index(MODEL, "w1"), *every[:6 * stride])
+    # w2 lacks one block inside the third step: its lookup stops at 2 steps.
+    await client.sadd(keys.kv_index(MODEL, "w2"), *every[:2 * stride], *every[3 * stride:])
     await client.hset(keys.placed_tokens(MODEL), "w2", 5)
     placer = Placer(client, keys, MODEL, "cache_aware", 8.0)
     await placer.refresh()
     query = placer.query(prompt)
-    assert query is not None and query.hashes == hashes
+    assert query is not None and query.hashes == every[stride - 1::stride] and query.tokens_per_hash == step
     [(decision, predicted)] = await placer.place([query])
-    assert decision is not None and decision.placement == Placement("w1", len(prompt) - 6 * BLOCK)
-    assert decision.num_cached_tokens == 6 * BLOCK and predicted == hashes
-    # The read stops at w2's first miss, as its block manager's lookup would.
+    assert decision is not None and decision.placement == Placement("w1", len(prompt) - 6 * step)
+    assert decision.num_cached_tokens == 6 * step and predicted == query.hashes
+    # Per worker: placed tokens, load (-1: none), then per request the overlaps.
     await client.hset(keys.worker_load(MODEL), "w1", 7)
     reply = await client.evalsha(placer._read.sha, 4, keys.kv_index(MODEL, "w1"), keys.kv_index(MODEL, "w2"),
-                                 keys.placed_tokens(MODEL), keys.worker_load(MODEL), "w1", "w2", b"".join(hashes),
-                                 len(hashes[0]))
-    assert reply == [6, 2, 0, 5, 7, -1]
+                                 keys.placed_tokens(MODEL), keys.worker_load(MODEL), "w1", "w2", HASH_BYTES,
+                                 b"".join(query.hashes), b"".join(query.hashes[:1]))
+    assert reply == [0, 5, 7, -1, 6, 2, 1, 1]
     async with client.pipeline(transaction=False) as pipe:
         placer.add_predictions(pipe, [("w2", predicted)])
         await pipe.execute()
-    assert await client.sismember(keys.kv_index(MODEL, "w2"), hashes[2])
-
+    assert await client.sismember(keys.kv_index(MODEL, "w2"), query.hashes[2])
 
 
 async def test_no_placement_without_agreeing_workers(client: aioredis.Redis) -> None:
@@ -274,6 +294,34 @@ async def test_prompts_of_one_prefix_in_one_commit_follow_the_first(client: aior
         group = [d for k, d in enumerate(decisions) if k % 4 == g and d is not None]
         assert len({d.placement.worker_id for d in group}) == 1, g
         assert [d.reason for d in group][1:] == ["cache"] * 7
+
+
+async def test_two_gateways_placing_one_new_prefix_at_once_agree(client: aioredis.Redis) -> None:
+    """Two gateways each place, in one group commit and before either's predictions
+    reach Redis, half of the prompts of 16 new system prompts (16 of each, 32 each): all
+    prompts of one prefix land on one worker, because the workers near the cheapest are
+    judged on the queue Redis shows both, not on each gateway's own commit so far."""
+    keys = _keys()
+    for w in ("w1", "w2"):
+        await _heartbeat(client, keys, w)
+    gateways = [Placer(client, keys, MODEL, "cache_aware", 1000.0, rng=random.Random(g)) for g in range(2)]
+    for placer in gateways:
+        await placer.refresh()
+    # Gateway 0 placed a long prompt a moment ago; both workers have since written their
+    # per-step load, which shows it (or its absence) to both gateways alike.
+    await gateways[0].place([gateways[0].query(list(range(50_000, 52_000)))])
+    await client.hset(keys.worker_load(MODEL), mapping={"w1": 0, "w2": 0})
+    systems = [list(range(1000 * (g + 1), 1000 * (g + 1) + 40 * BLOCK)) for g in range(16)]
+    prompts = [(g, systems[g] + [7, q, q + 1, q + 2] * 8) for g in range(16) for q in range(16)]
+    halves = [prompts[0::2], prompts[1::2]]  # a client alternating between the gateways
+    placed = await asyncio.gather(*(p.place([p.query(t) for _, t in half]) for p, half in zip(gateways, halves)))
+    where: dict[int, set[str]] = {}
+    for half, decisions in zip(halves, placed):
+        for (g, _), (decision, _) in zip(half, decisions):
+            assert decision is not None and decision.placement.worker_id is not None
+            where.setdefault(g, set()).add(decision.placement.worker_id)
+    assert all(len(w) == 1 for w in where.values()), where
+    assert {w for ws in where.values() for w in ws} == {"w1", "w2"}  # prefixes still spread
 
 
 def test_a_new_prefix_goes_where_its_first_block_hashes_among_near_equal_workers() -> None:

@@ -107,7 +107,7 @@ class BlockManager:
     # -- prefix caching ----------------------------------------------------------
     def block_hash_at(self, request: Request, index: int) -> bytes:
         """The hash of the request's full block ``index`` (``index < num_tokens //
-        block_size``), chained on the blocks before it (``shared.block_hashes``). Each
+        block_size``), which depends on every block before it (``shared.block_hashes``). Each
         block of a request is hashed once (``Request.block_hasher`` keeps them), however
         often it is looked up; blocks up to ``index`` not hashed yet are hashed in one go."""
         hasher = request.block_hasher

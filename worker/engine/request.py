@@ -53,7 +53,7 @@ class Request:
     ``grammar`` is the matcher of a structured output (``sampling.structured``): it has
     consumed every output token, and each appended token advances it once (recompute after
     preemption appends nothing, so it consumes nothing).
-    ``block_hasher``: the chained hashes of its first full blocks (``shared.block_hashes``;
+    ``block_hasher``: the hashes of its first full blocks (``shared.block_hashes``;
     ``block_hashes`` lists them), each computed once, on demand, by the block manager
     (``BlockManager.block_hash_at``; None until it first hashes one); ``token_ids`` only
     grows, so they stay valid for the request's life, preemptions included.
