@@ -16,9 +16,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import httpx
-import redis
 
 from shared.keys import Keys
+from shared.redis_connect import connect_sync
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -122,7 +122,7 @@ def descendants(pid: int) -> list[tuple[int, int]]:
 
 def redis_pid(redis_url: str) -> int:
     """Process id of the redis-server behind ``redis_url`` (from ``INFO server``)."""
-    client = redis.from_url(redis_url)
+    client = connect_sync(redis_url)
     try:
         return int(client.info("server")["process_id"])
     finally:
@@ -152,7 +152,7 @@ def wait_for_workers(redis_url: str, n: int, procs: Sequence[subprocess.Popen[by
 
     Raises ``AssertionError`` if one of ``procs`` exits, ``TimeoutError`` after ``timeout_s`` seconds.
     """
-    client = redis.from_url(redis_url)
+    client = connect_sync(redis_url)
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:

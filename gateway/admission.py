@@ -2,7 +2,10 @@
 through the fair queue's enqueue script (``shared/fair_queue.py``), which also refuses
 them when the model's queue is full (429): one request's child requests
 (gateway/choices.py) in one atomic step with the depth check, all of them or none; 503
-when Redis is unreachable."""
+when Redis is unreachable. An enqueue that could not reach Redis (no connection: e.g. the
+primary just died and Sentinel has not promoted a replica yet) is sent again for up to
+``ENQUEUE_RETRY_S`` (``shared/redis_connect.py``, ``retry_unsent``: it was never sent,
+so it is never written twice), then answered 503."""
 
 from __future__ import annotations
 
@@ -20,11 +23,14 @@ from gateway.errors import OpenAIError
 from gateway.placement import PlacementDecision, PlacementQuery, Placer
 from shared.fair_queue import FairQueue, Placement, QueueFull
 from shared.protocol import GenerateRequest
+from shared.redis_connect import retry_unsent
 
 log = logging.getLogger(__name__)
 
 #: ``Retry-After`` of a 429, seconds.
 RETRY_AFTER_S = 1
+#: How long an enqueue that reached no Redis is tried again before its 503, s.
+ENQUEUE_RETRY_S = 2.0
 
 _UNAVAILABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
@@ -97,9 +103,9 @@ class Enqueuer:
                     return await self._add_to_batch(stream, requests[0], query)
                 decision, predicted = (await self._place([query]))[0]
                 placement = decision.placement if decision is not None else None
-                entry_ids = await self._queue.enqueue(stream, requests, request_id_key=request_id_key,
-                                                      wire_id=wire_id, ttl_s=ttl_s, max_waiting=self._max_waiting,
-                                                      placement=placement)
+                entry_ids = await retry_unsent(lambda: self._queue.enqueue(
+                    stream, requests, request_id_key=request_id_key, wire_id=wire_id, ttl_s=ttl_s,
+                    max_waiting=self._max_waiting, placement=placement), ENQUEUE_RETRY_S)
                 if entry_ids is not None and predicted and placement is not None and placement.worker_id \
                         and self.placer is not None:
                     async with self._queue.client.pipeline(transaction=False) as pipe:
@@ -158,11 +164,13 @@ class Enqueuer:
                                    for p, (_, predicted) in zip(placements, decisions, strict=True)
                                    if p is not None and p.worker_id is not None and predicted]
                     placer = self.placer
-                    results = await self._queue.enqueue_batch(
-                        [(stream, request, p) for (stream, request, _, _), p in zip(batch, placements, strict=True)],
-                        max_waiting=self._max_waiting,
-                        after=None if placer is None or not predictions else
-                        functools.partial(_predict, placer, predictions))
+                    items = [(stream, request, p)
+                             for (stream, request, _, _), p in zip(batch, placements, strict=True)]
+                    after = None if placer is None or not predictions else functools.partial(_predict, placer,
+                                                                                              predictions)
+                    results = await retry_unsent(functools.partial(
+                        self._queue.enqueue_batch, items, max_waiting=self._max_waiting, after=after),
+                        ENQUEUE_RETRY_S)
                 except Exception as exc:  # noqa: BLE001 - connection lost: every enqueue of the batch fails
                     results = [exc] * len(batch)
                 for (stream, _, _, future), result, (decision, _) in zip(batch, results, decisions, strict=True):

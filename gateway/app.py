@@ -16,7 +16,6 @@ from contextlib import asynccontextmanager
 from types import FrameType
 from typing import Any
 
-import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -62,6 +61,7 @@ from shared.fair_queue import FairQueue
 from shared.gc_heap import freeze_startup_heap
 from shared.keys import Keys
 from shared.model_source import ModelSource, max_model_len, served_model_name
+from shared.redis_connect import connect
 from shared.settings import BatchSettings, GatewaySettings, ModelSettings, RedisSettings
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,8 @@ def create_app(gateway: GatewaySettings, redis: RedisSettings, model: ModelSetti
         ValueError: no Redis URL, or no tokenizer.
     """
     if not redis.redis_url:
-        raise ValueError("the gateway needs a Redis URL (redis://host:port/0 or unix:///path)")
+        raise ValueError("the gateway needs a Redis URL (redis://host:port/0, unix:///path, redis+sentinel://... "
+                         "or redis+cluster://...)")
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source)
     served_name = served_model_name(model, source)
     metrics = GatewayMetrics(served_name)
@@ -154,7 +155,7 @@ def create_app(gateway: GatewaySettings, redis: RedisSettings, model: ModelSetti
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        client = aioredis.from_url(redis.redis_url, socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S)
+        client = connect(redis.redis_url, socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S)
         gateway_id = app.state.gateway_id
         queue = FairQueue(client, keys, served_name)
         placer = Placer(client, keys, served_name, gateway.dispatch_policy,  # type: ignore[arg-type]

@@ -93,7 +93,7 @@ async def submit(state: GatewayState, request: Request, request_id: str, prompts
         raise OpenAIError(503, "not subscribed to the reply channel (Redis unavailable)", code="redis_unavailable")
     num_children = len(prompts) * n
     client_id = request.headers.get("x-request-id") is not None
-    id_key = state.keys.request_id_key(id_scope, request_id) if client_id else None
+    id_key = state.keys.request_id_key(state.served_model_name, id_scope, request_id) if client_id else None
     wire_id = wire_request_id(request_id, client_id)
     child_ids = [wire_id] if num_children == 1 else [f"{wire_id}-{k}" for k in range(num_children)]
     deadline_s = arrival_s + state.settings.request_timeout_s

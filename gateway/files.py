@@ -27,6 +27,7 @@ from starlette.requests import ClientDisconnect
 from gateway.errors import OpenAIError
 from gateway.tenants import Caller, identify
 from shared.batch_store import BATCH_ENDPOINTS, BatchStore, StoredFile, new_id
+from shared.redis_connect import is_cluster
 from shared.settings import BatchSettings
 
 #: How many bad lines a 400 for an invalid file names.
@@ -69,11 +70,20 @@ async def owned_file(request: Request, batch: BatchSettings, caller: Caller, fil
 
 
 def store_of(request: Request, batch: BatchSettings) -> BatchStore:
-    """The app's ``BatchStore`` (made on first use over the gateway's Redis client)."""
+    """The app's ``BatchStore`` (made on first use over the gateway's Redis client).
+
+    Raises:
+        OpenAIError: 501 on a Redis Cluster, where the Batch API does not run (its
+            transactions and arq's jobs span hash slots: docs/operations.md, "A Redis that
+            survives losing a node").
+    """
     app_state = request.app.state
     store = getattr(app_state, "batch_store", None)
     if store is None:
         state = app_state.inferq
+        if is_cluster(state.redis):
+            raise OpenAIError(501, "the Batch API (files and batches) needs a Redis that is not a cluster",
+                              code="batch_api_unavailable")
         store = app_state.batch_store = BatchStore(state.redis, state.keys, batch.files_dir)
     return store  # type: ignore[no-any-return]
 

@@ -22,13 +22,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-import redis.asyncio as aioredis
 import redis.exceptions
 
 from gateway.errors import OpenAIError
 from gateway.generation import Generation
 from shared import protocol
 from shared.protocol import ErrorMessage, TokenBatch
+from shared.redis_connect import AsyncClient
+from shared.redis_connect import pubsub as subscriber
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class Relay:
     publishing to zero subscribers takes the gateway for dead).
     """
 
-    def __init__(self, client: aioredis.Redis, channel: str, *, backoff_initial_s: float = 0.05,
+    def __init__(self, client: AsyncClient, channel: str, *, backoff_initial_s: float = 0.05,
                  backoff_max_s: float = 2.0, on_orphans: Callable[[list[str]], None] | None = None) -> None:
         self._client = client
         self.channel = channel
@@ -131,7 +132,7 @@ class Relay:
                 backoff_s = min(backoff_s * 2, self._backoff_max_s)
 
     async def _listen(self) -> None:
-        pubsub = self._client.pubsub()
+        pubsub = await subscriber(self._client, self.channel)
         try:
             await pubsub.subscribe(self.channel)
             async for msg in pubsub.listen():

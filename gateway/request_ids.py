@@ -1,11 +1,12 @@
 """Client request ids (``X-Request-Id``): reserved while the request runs, free again
 once it ends, per tenant (docs/protocol.md, "Request ids").
 
-- Ids are scoped by the caller's key tenant (``gateway/tenants.py``): a second request
-  of the same key tenant with an id that is in flight on any gateway gets 409, and one
+- Ids are scoped by the caller's key tenant (``gateway/tenants.py``) and the model: a
+  second request of the same key tenant to the same model with an id that is in flight
+  on any gateway gets 409, and one
   tenant's ids never meet another's (no 409 that would tell one tenant another's id,
   no id one tenant could hold against another). ``admission.enqueue`` sets
-  ``{ns}:request-id:{tenant}:{request_id}`` NX in the same Lua script as the XADD.
+  ``{ns}:{{model}}:request-id:{tenant}:{request_id}`` NX in the same Lua script as the XADD.
 - The key's value is the request's wire id. When the request ends (finished, failed,
   client gone, deadline) its ``Generation`` closes and the gateway deletes the key if it
   still holds that value, so the client can send the id again at once. The key's TTL

@@ -22,6 +22,7 @@ from gateway.handlers import check_auth
 from gateway.openapi import error_responses
 from gateway.state import GatewayState
 from shared.queues import QueueSnapshot, WorkerInfo, snapshot
+from shared.redis_connect import is_cluster
 from shared.settings import BatchSettings
 
 
@@ -166,5 +167,6 @@ def install_stats_route(app: FastAPI, batch: BatchSettings) -> None:
         check_auth(state, request)
         with redis_guard("stats"):
             snap = await snapshot(state.redis, state.keys, now_unix_s=time.time())
-            batches = await store_of(request, batch).count_by_status()
+            # No Batch API on a Redis Cluster (``store_of``): no batches to count.
+            batches = {} if is_cluster(state.redis) else await store_of(request, batch).count_by_status()
         return Response(msgspec.json.encode(build_stats(state, snap, batches)), media_type="application/json")

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from shared.redis_url import parse_redis_url
 from shared.settings import (
     ENV_PREFIX,
     BatchSettings,
@@ -179,7 +180,10 @@ def serve(model: ModelSettings, engine: EngineSettings, redis_settings: RedisSet
         threading.Thread(target=_watch_worker, args=(child, stopping, stop, worker_exit), name="serve-worker-watch",
                          daemon=True).start()
         port = listeners[0].getsockname()[1]
-        batch_child = _start_batch_worker(batch, redis_settings, gateway, port)
+        # arq cannot run on a Redis Cluster: serve then runs no batch worker (the gateway
+        # answers the Batch API with 501).
+        if parse_redis_url(redis_settings.redis_url).kind != "cluster":
+            batch_child = _start_batch_worker(batch, redis_settings, gateway, port)
         gateway_env = {**os.environ, **settings_env(model, redis_settings, gateway, batch)}
         for sock in listeners[1:]:
             gateways.append(start_gateway(sock, gateway_env))
@@ -395,6 +399,9 @@ def batch_worker_cmd(redis_settings: RedisSettings, batch: BatchSettings, parent
         exit_with_parent(parent_pid, signal.SIGKILL)  # as serve's worker
     if not redis_settings.redis_url:
         raise typer.BadParameter("the batch worker needs --redis-url (or INFERQ_REDIS_URL)")
+    if parse_redis_url(redis_settings.redis_url).kind == "cluster":
+        raise typer.BadParameter("the batch worker needs a Redis that is not a cluster (arq's jobs span hash "
+                                 "slots): a single server or redis+sentinel://")
     from worker.batch_jobs import serve_batch_worker
 
     try:

@@ -6,7 +6,7 @@ Layout (names in ``shared/keys.py``):
 
 - one stream per (class, tenant) of a model, every one read by the consumer group
   ``workers`` as before (pending entries, XCLAIM reaping, XACK + XDEL on finish); the
-  set ``{ns}:{model}:queues`` lists them;
+  set ``{ns}:{{model}}:queues`` lists them;
 - per class, a sorted set of the streams that may hold waiting entries ("active"
   tenants), each scored by the tenant's **virtual token counter** (VTC: Sheng et al.,
   "Fairness in Serving Large Language Models", OSDI 2024; AIBrix's VTC router);

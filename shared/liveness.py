@@ -18,11 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import redis.asyncio as aioredis
-
 from shared import protocol
 from shared.keys import Keys
 from shared.protocol import WorkerStatus
+from shared.redis_connect import AsyncClient, mget
 from shared.streams import as_text
 
 #: Keys read per SCAN call when listing heartbeats.
@@ -49,7 +48,7 @@ def is_alive(raw: bytes | None) -> bool:
     return status is None or not status.engine_stalled
 
 
-async def live_workers(client: aioredis.Redis, keys: Keys, worker_ids: Iterable[str]) -> set[str]:
+async def live_workers(client: AsyncClient, keys: Keys, worker_ids: Iterable[str]) -> set[str]:
     """The subset of ``worker_ids`` that are alive (one MGET).
 
     Raises:
@@ -58,11 +57,11 @@ async def live_workers(client: aioredis.Redis, keys: Keys, worker_ids: Iterable[
     ids = sorted(set(worker_ids))
     if not ids:
         return set()
-    values = await client.mget([keys.worker_key(wid) for wid in ids])
+    values = await mget(client, [keys.worker_key(wid) for wid in ids])
     return {wid for wid, raw in zip(ids, values, strict=True) if is_alive(raw)}
 
 
-async def ready_workers(client: aioredis.Redis, keys: Keys, model: str) -> list[WorkerStatus]:
+async def ready_workers(client: AsyncClient, keys: Keys, model: str) -> list[WorkerStatus]:
     """Statuses of the workers ready to serve ``model``, ordered by worker id (SCAN of
     the heartbeat keys, then one MGET).
 
@@ -73,7 +72,7 @@ async def ready_workers(client: aioredis.Redis, keys: Keys, model: str) -> list[
     if not names:
         return []
     ready = []
-    for raw in await client.mget(names):
+    for raw in await mget(client, names):
         status = decode_status(raw)
         if status is not None and status.model == model and not status.engine_stalled:
             ready.append(status)

@@ -6,7 +6,7 @@ it does not know, with a log line, rather than guessing. Messages on one channel
 tagged union (the ``type`` tag), so one decoder reads them all.
 
 Flow (see docs/protocol.md):
-    gateway --XADD GenerateRequest--> {ns}:{model}:requests --XREADGROUP--> worker
+    gateway --XADD GenerateRequest--> {ns}:{{model}}:requests --XREADGROUP--> worker
     worker --PUBLISH TokenBatch | ErrorMessage--> {ns}:gateway:{gateway_id}
     gateway --PUBLISH AbortMessage--> {ns}:control --> every worker
     worker --SET WorkerStatus (TTL)--> {ns}:worker:{worker_id}

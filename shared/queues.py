@@ -2,9 +2,9 @@
 streams, per priority class and tenant (``shared/fair_queue.py``), who holds it, and
 which workers are alive.
 
-``snapshot`` finds the models (by SCAN of ``{ns}:*:requests`` streams and
-``{ns}:*:queues`` sets unless models are named) and reads, per stream of a model (its
-base stream, and every (class, tenant) stream listed in ``{ns}:{model}:queues`` that
+``snapshot`` finds the models (by SCAN of ``{ns}:{*}:requests`` streams and
+``{ns}:{*}:queues`` sets unless models are named) and reads, per stream of a model (its
+base stream, and every (class, tenant) stream listed in ``{ns}:{{model}}:queues`` that
 holds entries; empty ones are left out): XLEN, XINFO GROUPS (group ``workers``), XINFO CONSUMERS, the first pending
 entries (XPENDING with a range) with their delivery counts, and every heartbeat key
 ``{ns}:worker:*`` decoded as a ``WorkerStatus``, judged alive or not by
@@ -26,7 +26,6 @@ import time
 from typing import Any
 
 import msgspec
-import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 from rich.console import Console
 from rich.table import Table
@@ -35,6 +34,7 @@ from shared import liveness, protocol
 from shared.fair_queue import PRIORITY_CLASSES, stream_class_tenant
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.protocol import WorkerStatus
+from shared.redis_connect import AsyncClient, connect, mget
 from shared.streams import MAX_SCANNED_PENDING, PendingEntry, as_text, num_waiting, pending_entries
 
 #: Pending entries shown per stream (``streams.MAX_SCANNED_PENDING`` are read to count
@@ -120,7 +120,7 @@ class QueueSnapshot(msgspec.Struct, kw_only=True):
     classes: list[ClassInfo] = msgspec.field(default_factory=list)
 
 
-async def _model_names(client: aioredis.Redis, keys: Keys) -> list[str]:
+async def _model_names(client: AsyncClient, keys: Keys) -> list[str]:
     base_prefix, base_suffix = keys.requests_stream("\0").split("\0")
     set_prefix, set_suffix = keys.model_streams("\0").split("\0")
     names = {as_text(k)[len(base_prefix):-len(base_suffix)]
@@ -130,7 +130,7 @@ async def _model_names(client: aioredis.Redis, keys: Keys) -> list[str]:
     return sorted(names)
 
 
-async def _model_streams(client: aioredis.Redis, keys: Keys, model: str) -> list[str]:
+async def _model_streams(client: AsyncClient, keys: Keys, model: str) -> list[str]:
     """The base stream, then the model's other streams that hold entries, sorted."""
     base = keys.requests_stream(model)
     others = sorted({as_text(m) for m in await client.smembers(keys.model_streams(model))} - {base})
@@ -158,9 +158,9 @@ def _classes(streams: list[StreamInfo]) -> list[ClassInfo]:
     return sorted(out.values(), key=lambda c: (c.model, rank.get(c.priority_class, len(rank))))
 
 
-async def _workers(client: aioredis.Redis, keys: Keys, now_unix_s: float) -> list[WorkerInfo]:
+async def _workers(client: AsyncClient, keys: Keys, now_unix_s: float) -> list[WorkerInfo]:
     names = sorted({as_text(k) async for k in client.scan_iter(match=keys.worker_pattern())})
-    values = await client.mget(names) if names else []
+    values = await mget(client, names)
     workers = []
     for key, value in zip(names, values):
         if value is None:  # expired between SCAN and MGET
@@ -192,7 +192,7 @@ def entry_age_s(entry_id: str, now_unix_s: float) -> float:
     return max(0.0, now_unix_s - int(entry_id.split("-", 1)[0]) / 1000)
 
 
-async def _oldest_waiting_age_s(client: aioredis.Redis, stream: str, after_id: str | None,
+async def _oldest_waiting_age_s(client: AsyncClient, stream: str, after_id: str | None,
                                 now_unix_s: float) -> float | None:
     # Entries after the group's last delivered id were never delivered (finished ones are
     # XDELed), so the first of them is the oldest waiting. No group: every entry waits.
@@ -200,7 +200,7 @@ async def _oldest_waiting_age_s(client: aioredis.Redis, stream: str, after_id: s
     return entry_age_s(as_text(first[0][0]), now_unix_s) if first else None
 
 
-async def _stream(client: aioredis.Redis, keys: Keys, model: str, stream: str, live: set[str],
+async def _stream(client: AsyncClient, keys: Keys, model: str, stream: str, live: set[str],
                   pending_limit: int, now_unix_s: float) -> StreamInfo:
     priority_class, tenant = stream_class_tenant(keys, model, stream)
     named: dict[str, Any] = {"model": model, "stream": stream, "priority_class": priority_class, "tenant": tenant}
@@ -234,7 +234,7 @@ async def _stream(client: aioredis.Redis, keys: Keys, model: str, stream: str, l
         pending=pending[:PENDING_SHOW_LIMIT])
 
 
-async def snapshot(client: aioredis.Redis, keys: Keys, models: list[str] | None = None, *,
+async def snapshot(client: AsyncClient, keys: Keys, models: list[str] | None = None, *,
                    pending_limit: int = MAX_SCANNED_PENDING, now_unix_s: float | None = None) -> QueueSnapshot:
     """Read the state of the request streams and the workers.
 
@@ -321,7 +321,7 @@ def queues_command(redis_url: str, namespace: str = "inferq", as_json: bool = Fa
         raise ValueError("inferq queues needs --redis-url (or INFERQ_REDIS_URL)")
 
     async def take() -> QueueSnapshot:
-        client = aioredis.from_url(redis_url)
+        client = connect(redis_url)
         try:
             return await snapshot(client, Keys(namespace), models)
         finally:

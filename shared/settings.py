@@ -185,8 +185,23 @@ class RedisSettings:
     """Where Redis is and which namespace the keys live under."""
 
     redis_url: str = field(default="", metadata=_doc(
-        "Redis URL (redis://host:port/0 or unix:///path); empty with `serve` starts an embedded Redis"))
-    namespace: str = field(default="inferq", metadata=_doc("Prefix of every Redis key"))
+        "Redis URL: redis://host:port/0, unix:///path, redis+sentinel://host:26379,.../service/0 or "
+        "redis+cluster://host:6379,... (docs/operations.md, \"A Redis that survives losing a node\"); "
+        "empty with `serve` starts an embedded Redis"))
+    namespace: str = field(default="inferq", metadata=_doc(
+        "Prefix of every Redis key (no braces: model names are the keys' hash tags)"))
+
+    def __post_init__(self) -> None:
+        if self.redis_url:
+            from shared.redis_url import parse_redis_url, redacted
+
+            try:
+                parse_redis_url(self.redis_url)
+            except ValueError as exc:
+                f = next(f for f in dataclasses.fields(self) if f.name == "redis_url")
+                raise SettingsError(f, redacted(self.redis_url), str(exc).partition(": ")[2] or str(exc)) from None
+        _require(self, "namespace", "{" not in self.namespace and "}" not in self.namespace,
+                 "must not hold { or } (docs/protocol.md, \"Keys\")")
 
 
 @dataclass(frozen=True, slots=True)

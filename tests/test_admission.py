@@ -12,7 +12,7 @@ from gateway.errors import OpenAIError
 from shared.fair_queue import FairQueue
 from shared.keys import STREAM_FIELD, Keys
 
-STREAM = "inferq:m:requests"
+STREAM = Keys().requests_stream("m")
 
 
 def _queue(client) -> FairQueue:

@@ -143,7 +143,7 @@ async def test_client_request_id_with_children(harness):
         assert r.status_code == 200, r.text
         assert r.json()["id"] == "cmpl-job-7" and r.headers["x-request-id"] == "cmpl-job-7"
         for _ in range(100):  # the release runs in a background task after the response
-            if not await harness.app.state.inferq.redis.exists(harness.keys.request_id_key("anonymous", "cmpl-job-7")):
+            if not await harness.app.state.inferq.redis.exists(harness.keys.request_id_key(MODEL, "anonymous", "cmpl-job-7")):
                 break
             await asyncio.sleep(0.02)
     ids = [q.request_id for q in harness.worker.requests]
@@ -273,7 +273,7 @@ async def test_failed_enqueue_leaves_nothing(harness, headers):
         assert r.status_code == 503 and r.json()["error"]["code"] == "redis_unavailable", r.text
         assert await stream_length(harness) == before
         assert harness.app.state.inferq.relay.num_in_flight == 0 and harness.worker.requests == []
-        assert not await admin.exists(harness.keys.request_id_key("anonymous", "cmpl-oom-1"))
+        assert not await admin.exists(harness.keys.request_id_key(MODEL, "anonymous", "cmpl-oom-1"))
     finally:
         await admin.aclose()
 

@@ -155,7 +155,7 @@ async def test_read_queue_counts_queued_pending_and_redelivered(redis_server) ->
     from shared.keys import Keys
 
     client = aioredis.from_url(redis_server.url)
-    stream = "inferq:m:requests"
+    stream = Keys().requests_stream("m")
 
     async def read_totals(client, _stream):  # the model's streams, here only the base one
         return queue_totals(await read_queue(client, Keys(), "m"))

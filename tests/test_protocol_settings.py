@@ -32,7 +32,7 @@ def test_unknown_version_and_garbage_are_rejected() -> None:
 
 def test_keys_share_a_namespace() -> None:
     k = Keys("ns")
-    assert k.requests_stream("m") == "ns:m:requests"
+    assert k.requests_stream("m") == "ns:{m}:requests"
     assert k.gateway_channel("g").startswith("ns:") and k.control_channel() == "ns:control"
     assert k.worker_key("w") == "ns:worker:w"
 

@@ -73,7 +73,7 @@ async def test_id_is_409_while_in_flight_and_free_once_finished(harness) -> None
     wire_ids = [r.request_id for r in harness.worker.requests]
     assert len(wire_ids) == 2 and len(set(wire_ids)) == 2
     assert all(w.startswith("cmpl-retry-1#") for w in wire_ids)
-    assert await harness.worker.client.exists(harness.keys.request_id_key("anonymous", "cmpl-retry-1")) == 0
+    assert await harness.worker.client.exists(harness.keys.request_id_key(MODEL, "anonymous", "cmpl-retry-1")) == 0
 
 
 @pytest.mark.parametrize("gateway_settings", [GatewaySettings(api_keys=("k1", "k2"), request_timeout_s=300.0)])
@@ -99,7 +99,7 @@ async def test_ids_are_per_tenant(harness) -> None:
         again = await post(harness, "shared-1", key)
         assert again.status_code == 409 and again.json()["error"]["code"] == "duplicate_request", (key, again.text)
     tenants = harness.app.state.inferq.tenants
-    id_keys = [harness.keys.request_id_key(tenants.key_tenant(k), "cmpl-shared-1") for k in ("k1", "k2")]
+    id_keys = [harness.keys.request_id_key(MODEL, tenants.key_tenant(k), "cmpl-shared-1") for k in ("k1", "k2")]
     assert await harness.worker.client.exists(*id_keys) == 2
     release.set()
     for task in (first_k1, first_k2):

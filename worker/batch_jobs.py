@@ -36,14 +36,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import redis.asyncio as aioredis
 from arq import cron
-from arq.connections import ArqRedis
 from arq.worker import Worker, func
 
 from shared.batch_store import ACTIVE_STATUSES, FINAL_STATUSES, RUN_BATCH_JOB, BatchStore, enqueue_run
 from shared.fair_queue import PRIORITY_CLASSES, PRIORITY_HEADER
 from shared.keys import Keys
+from shared.redis_connect import arq_client, connect
 from shared.server_secret import BATCH_TENANT_HEADER, batch_credential, load_server_secret
 from shared.settings import BatchSettings, RedisSettings
 
@@ -440,17 +439,18 @@ def build_worker(batch: BatchSettings, redis_settings: RedisSettings) -> Worker:
     """The arq ``Worker`` of the batch jobs (call from inside a running event loop).
 
     Raises:
-        ValueError: no Redis URL.
+        ValueError: no Redis URL, or a Redis Cluster's (``arq_client``).
     """
     if not redis_settings.redis_url:
-        raise ValueError("the batch worker needs a Redis URL (redis://host:port/0 or unix:///path)")
+        raise ValueError("the batch worker needs a Redis URL (redis://host:port/0, unix:///path or "
+                         "redis+sentinel://...)")
     keys = Keys(redis_settings.namespace)
-    pool = ArqRedis.from_url(redis_settings.redis_url)
+    pool = arq_client(redis_settings.redis_url)
 
     async def startup(ctx: dict[str, Any]) -> None:
         logging.getLogger("httpx").setLevel(logging.WARNING)  # not one INFO line per batch line
         logging.getLogger("arq.worker").setLevel(logging.WARNING)  # nor one per resume check (every few s)
-        client = aioredis.from_url(redis_settings.redis_url)
+        client = connect(redis_settings.redis_url)
         store = BatchStore(client, keys, batch.files_dir)
         http = httpx.AsyncClient(timeout=LINE_TIMEOUT_S, trust_env=False,
                                  limits=httpx.Limits(max_connections=batch.batch_concurrency * batch.batch_max_jobs))

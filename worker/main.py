@@ -7,12 +7,11 @@ import asyncio
 import logging
 import signal
 
-import redis.asyncio as aioredis
-
 from shared.gc_heap import freeze_startup_heap
 from shared.keys import Keys
 from shared.liveness import ready_workers
 from shared.model_source import ModelSourceError, resolve_model, served_model_name
+from shared.redis_connect import AsyncClient, connect
 from shared.settings import EngineSettings, ModelSettings, RedisSettings, WorkerSettings
 from worker.backends.base import create_backend
 from worker.engine_thread import EngineThread
@@ -71,7 +70,7 @@ async def serve_worker(worker: WorkerSettings, redis_settings: RedisSettings, mo
         if tp is not None:
             tp.close()
         raise start_error(exc) from exc
-    client = aioredis.from_url(redis_settings.redis_url, health_check_interval=10)
+    client = connect(redis_settings.redis_url, health_check_interval=10)
     service = Worker(client, Keys(redis_settings.namespace), served_model_name(model, source),
                      worker.worker_id or default_worker_id(), backend, worker.drain_timeout_s, engine_thread,
                      engine_stall_timeout_s=worker.engine_stall_timeout_s,
@@ -118,7 +117,7 @@ async def serve_worker(worker: WorkerSettings, redis_settings: RedisSettings, mo
             tp.close(sync.send_stop if sync is not None else None)
 
 
-async def block_size_conflict(client: aioredis.Redis, keys: Keys, model: str, block_size: int) -> str | None:
+async def block_size_conflict(client: AsyncClient, keys: Keys, model: str, block_size: int) -> str | None:
     """Why this worker must not serve ``model``: a live worker of it announces another
     block size (its heartbeat's ``block_size``), so the block hashes of the two would
     name different tokens, and gateways place prompts by the hashes of one size

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
+from redis.exceptions import NoScriptError
 
 from shared.fair_queue import PRIORITY_CLASSES, StealFrom, placed_owner
 from shared.keys import Keys
+from shared.redis_connect import AsyncClient
 from worker.backends.kv_events import KVEvents
 
 # KEYS: the model's stream set, the placed-tokens hash, the worker's KV index, its
@@ -90,7 +91,7 @@ def steal_sources(keys: Keys, model: str, streams: Iterable[str], worker_id: str
     return sorted(out, key=lambda s: PRIORITY_CLASSES.index(s.priority_class))
 
 
-async def forget_dead_workers(client: aioredis.Redis, keys: Keys, model: str, worker_ids: Iterable[str]) -> None:
+async def forget_dead_workers(client: AsyncClient, keys: Keys, model: str, worker_ids: Iterable[str]) -> None:
     """Run the cleanup script (module docstring) for each of ``worker_ids``, which must
     be dead, in one pipeline.
 
@@ -101,10 +102,20 @@ async def forget_dead_workers(client: aioredis.Redis, keys: Keys, model: str, wo
     if not ids:
         return
     script = client.register_script(_FORGET)
-    async with client.pipeline(transaction=False) as pipe:
-        for wid in ids:
-            await script(keys=[keys.model_streams(model), keys.placed_tokens(model), keys.kv_index(model, wid),
+    # EVALSHA, with one SCRIPT LOAD and a second try when Redis does not hold the script
+    # (a cluster pipeline, unlike a plain one, does not load the scripts it runs).
+    for attempt in range(2):
+        async with client.pipeline(transaction=False) as pipe:
+            for wid in ids:
+                wkeys = [keys.model_streams(model), keys.placed_tokens(model), keys.kv_index(model, wid),
                          keys.worker_doorbell(model, wid), keys.worker_load(model),
-                               *(keys.placed_stream(model, wid, c) for c in PRIORITY_CLASSES)],
-                         args=[wid], client=pipe)
-        await pipe.execute()
+                         *(keys.placed_stream(model, wid, c) for c in PRIORITY_CLASSES)]
+                pipe.evalsha(script.sha, len(wkeys), *wkeys, wid)
+            replies = await pipe.execute(raise_on_error=False)
+        if attempt == 0 and any(isinstance(r, NoScriptError) for r in replies):
+            await client.script_load(_FORGET)
+            continue
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return

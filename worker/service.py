@@ -37,7 +37,6 @@ import socket
 import time
 from dataclasses import dataclass
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from shared import protocol
@@ -45,6 +44,8 @@ from shared.fair_queue import PREFILL_FIELD, PRIORITY_CLASSES, FairQueue, StealF
 from shared.keys import CONSUMER_GROUP, HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, STREAM_FIELD, Keys
 from shared.liveness import live_workers
 from shared.protocol import AbortMessage, ErrorMessage, GenerateRequest, TokenBatch, TokenOutput, WorkerStatus
+from shared.redis_connect import AsyncClient
+from shared.redis_connect import pubsub as subscriber
 from shared.streams import add_finish, as_text, finish_entry
 from worker.backends.base import EngineBackend, RequestOutput, RequestRejected
 from worker.backends.kv_events import NO_KV_EVENTS, KVEvents, merge_kv_events
@@ -93,7 +94,7 @@ class Worker:
     before this one may take it (0: never). ``WorkerSettings`` documents both.
     """
 
-    def __init__(self, client: aioredis.Redis, keys: Keys, model: str, worker_id: str,
+    def __init__(self, client: AsyncClient, keys: Keys, model: str, worker_id: str,
                  backend: EngineBackend, drain_timeout_s: float = 60.0,
                  engine_thread: EngineThread | None = None, engine_stall_timeout_s: float = 0.0,
                  max_waiting_prefill_tokens: int = -1, steal_after_ms: int = 2000) -> None:
@@ -511,8 +512,9 @@ class Worker:
         channel = self.keys.control_channel()
         arrivals = self.keys.arrivals_channel(self.model)
         while True:
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            pubsub = None
             try:
+                pubsub = await subscriber(self.redis, channel, ignore_subscribe_messages=True)
                 await pubsub.subscribe(channel, arrivals)
                 async for item in pubsub.listen():
                     if item.get("type") != "message":
@@ -537,7 +539,8 @@ class Worker:
                 await asyncio.sleep(RECONNECT_DELAY_S)
             finally:
                 try:
-                    await pubsub.aclose()
+                    if pubsub is not None:
+                        await pubsub.aclose()
                 except RedisError:
                     pass
 
