@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # part of torch and vLLM), not all of every package at install.
 PIP := $(PY) -m pip install -q --no-compile
 
-.PHONY: setup setup-vllm serve test lint bench clean
+.PHONY: setup setup-vllm serve test compose-test lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -44,6 +44,14 @@ serve: setup
 # again; unset, the first import writes __pycache__ (pip installed without byte code).
 test: setup setup-vllm
 	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# `docker compose up --scale worker=3` of compose.yaml on the CPU (tests/test_compose_up.py,
+# docs/operations.md "The compose test"): installs and starts Docker where missing (as root),
+# builds stand-in images where no registry answers; fails where it cannot run. `make test`
+# runs it too, skipping it with the reason unless INFERQ_COMPOSE_TEST=required.
+compose-test: setup
+	INFERQ_COMPOSE_TEST=required env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -m compose $(PYTEST_ARGS) \
+		tests/test_compose_up.py
 
 lint: setup
 	$(PIP) ruff

