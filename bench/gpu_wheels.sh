@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Download the cp312 wheels that the serving stack needs on the lent GPU machine (its
+# Download the cp312 wheels that the serving stack needs on a GPU machine without a package index (its
 # image has torch, triton, transformers, typer, rich, httpx, anyio, h11 and
 # prometheus-client, but not these) into .whl/ (git-ignored), pinned to the versions this
-# checkout's .venv resolved (`make setup`). docs/operations.md, "On a lent GPU machine",
+# checkout's .venv resolved (`make setup`). docs/operations.md, "On a GPU machine without a package index",
 # gives the recipe that installs them there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,4 +20,8 @@ for name in $NAMES; do
         --platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64 \
         -d .whl "$name==$version"
 done
+# inferq's own wheel: on the device its code comes from the working tree (first on
+# PYTHONPATH), but its metadata names the command modules (the inferq.commands entry
+# points that shared/cli.py loads).
+"$PY" -m pip wheel -q --no-deps --no-build-isolation -w .whl .
 du -sh .whl

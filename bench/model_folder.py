@@ -13,7 +13,8 @@ import json
 import shutil
 from pathlib import Path
 
-from shared.model_source import DEFAULT_MODEL_NAME, DUMMY_CONFIGS, ModelSourceError, resolve_model
+from shared.model_source import DUMMY_CONFIGS, ModelSourceError, resolve_model
+from shared.settings import DEFAULT_MODEL_NAME
 
 #: Files of a Hugging Face tokenizer (those present are copied; weights and model config are not).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",

@@ -40,8 +40,8 @@ all four workloads took 6.5::
 
     python -m bench.placement_bench --backend sim --workers 1,2,8 --workloads multi_turn,shared_prefix
 
-Two GPUs (on the lent machine: docs/operations.md, "On a lent GPU machine", for the
-wheels), the real engine, Qwen2.5-7B shapes with dummy weights, the issue's sizes, all
+Two GPUs (docs/operations.md, "On a GPU machine without a package index", for the
+wheels), the real engine, Qwen2.5-7B shapes with dummy weights, the default sizes, all
 four workloads: about 6 minutes on 2 x H200::
 
     python -m bench.placement_bench --export-tokenizer .tokenizer        # here, to carry along

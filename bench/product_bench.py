@@ -52,6 +52,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.host import cpu_description
+from bench.kv_sampler import KVSampler
 from bench.loadgen import BenchConfig, run_benchmark
 from bench.loadgen.multiproc import run_split
 from bench.loadgen.runner import build_requests
@@ -284,12 +285,14 @@ def engine_delta(before: dict[str, float], after: dict[str, float], duration_s: 
 def measure_pass(cfg: BenchConfig, serve_pid: int, client_processes: int = 1,
                  metrics_url: str | None = None) -> dict[str, Any]:
     """One pass of the client against serve: the load client's figures, each role's CPU
-    and (with the worker's ``metrics_url``) what its engine did (``engine_delta``).
+    and (with the worker's ``metrics_url``) what its engine did (``engine_delta``) and its
+    KV usage and fragmentation while requests ran (``kv``: ``bench.kv_sampler``).
     With ``client_processes > 1`` the requests are sent from that many processes
     (``bench.loadgen.multiproc``), and ``client`` CPU is theirs in all."""
     roles = process_roles(serve_pid)
     before = {pid: cpu_times(pid) for pid in roles}
     engine_before = engine_counters(metrics_url)
+    kv_sampler = KVSampler(metrics_url).start()
     start_monotonic_s = time.monotonic()  # the worker's step trace uses the same clock
     if client_processes > 1:
         result, client_s = run_split(cfg, client_processes)
@@ -297,6 +300,9 @@ def measure_pass(cfg: BenchConfig, serve_pid: int, client_processes: int = 1,
         client_before_s = time.process_time()
         result = asyncio.run(run_benchmark(cfg))
         client_s = time.process_time() - client_before_s
+    kv = kv_sampler.stop()
+    if client_processes <= 1:  # the sampler's scrapes ran in this process: not the client's CPU
+        client_s = max(client_s - kv_sampler.cpu_s, 0.0)
     cpu = dict.fromkeys(ROLES, 0.0)
     system = dict.fromkeys(ROLES[:3], 0.0)  # of which in the kernel (socket writes, epoll, ...)
     for pid, role in roles.items():
@@ -323,7 +329,7 @@ def measure_pass(cfg: BenchConfig, serve_pid: int, client_processes: int = 1,
             "cpu_cores": {r: cpu[r] / m.duration_s for r in ROLES},
             "system_cpu_share": {r: system[r] / cpu[r] if cpu[r] else 0.0 for r in system},
             "num_processes": {r: sum(1 for v in roles.values() if v == r) for r in ROLES[:3]},
-            "engine": engine, "monotonic_s": [start_monotonic_s, time.monotonic()],
+            "engine": engine, "kv": kv, "monotonic_s": [start_monotonic_s, time.monotonic()],
             "errors": sorted({o.error for o in result.outputs if o.error})[:3]}
 
 
@@ -379,6 +385,14 @@ def engine_cell(engine: dict[str, float]) -> str:
     return f"{engine['steps']:,.0f} ({engine.get('async_steps', 0):,.0f}) / {engine.get('ms_per_step', 0):.1f} / {busy}"
 
 
+def kv_cell(kv: dict[str, Any]) -> str:
+    """``KV usage / internal fragmentation / contiguous waste``, means while requests ran
+    ('-' when not sampled)."""
+    if not kv.get("samples"):
+        return "-"
+    return " / ".join(f"{kv[k]['mean']:.1%}" for k in ("kv_usage", "internal_fragmentation", "contiguous_waste_ratio"))
+
+
 def markdown_table(res: dict[str, Any]) -> str:
     """The result as markdown: a heading line with model, device, date and command, then one
     row per concurrency and pass."""
@@ -389,15 +403,16 @@ def markdown_table(res: dict[str, Any]) -> str:
     header = ("| concurrency | pass | output tok/s | offline engine tok/s (max_num_seqs) | full / offline "
               "| TTFT mean / median / p99 ms | ITL mean / median / p99 ms "
               "| CPU s per 1k output tokens: gateway / worker / Redis / client "
-              "| engine steps (async) / ms per step / busy: serve vs offline |")
+              "| engine steps (async) / ms per step / busy: serve vs offline "
+              "| KV usage / internal fragmentation / contiguous waste (means while running) |")
     lines = [f"## {st['model']} through `inferq serve` vs the offline engine: {res['device']}, {res['date']}", "",
-             about, "", header, "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             about, "", header, "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for run in res["serve"]:
         offline = res["offline"].get(str(run["max_num_seqs"]))
         off = f"{offline['output_tok_s']:,.0f} ({run['max_num_seqs']})" if offline else "-"
         if not run["passes"]:
             why = "serve failed (`error` in the JSON)" if "error" in run else "not run"
-            lines.append(f"| {run['concurrency']} | - | {why} | {off} | | | | | |")
+            lines.append(f"| {run['concurrency']} | - | {why} | {off} | | | | | | |")
         for p in run["passes"]:
             ratio = f"{p['ratio_to_offline']:.2f}" if "ratio_to_offline" in p else "-"
             lat = {k: " / ".join(f"{p[k][q]:,.0f}" if p[k][q] >= 10 else f"{p[k][q]:.1f}"
@@ -407,7 +422,8 @@ def markdown_table(res: dict[str, Any]) -> str:
             lines.append(f"| {run['concurrency']} | {p['pass']}{' (first after start)' if p['pass'] == 1 else ''} "
                          f"| {p['output_tok_s']:,.0f}{failed} | {off} | {ratio} | {lat['ttft_ms']} "
                          f"| {lat['itl_ms']} | {cpu} | {engine_cell(p.get('engine', {}))} vs "
-                         f"{engine_cell(offline.get('engine', {}) if offline else {})} |")
+                         f"{engine_cell(offline.get('engine', {}) if offline else {})} "
+                         f"| {kv_cell(p.get('kv', {}))} |")
     starts = ", ".join(f"{r['startup_s']:.0f} s" for r in res["serve"] if "startup_s" in r)
     lines += ["", f"Serve start to ready: {starts or '-'}."]
     if res.get("stopped_early"):

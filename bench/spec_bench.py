@@ -52,8 +52,8 @@ from bench.host import cpu_description
 from shared.model_source import DUMMY_CONFIGS
 from shared.sampling import SamplingParams
 from worker.engine import model_runner
-from worker.engine.scheduler import ScheduledRequest
 from worker.engine.spec_decode import SpecStats, expected_tokens
+from worker.engine.step_types import ScheduledRequest
 from worker.llm import LLM
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -19,7 +19,7 @@ Sections (``--sections``, comma-separated; default all):
            best of ``--repeat`` each (the host is shared: the load average is recorded).
 
 Run: python -m bench.structured_bench --out bench/results/structured_cpu.json
-On a GPU (docs/operations.md, "On a lent GPU machine"): python -m bench.structured_bench
+On a GPU (docs/operations.md, "On a GPU machine without a package index"): python -m bench.structured_bench
 --sections engine --dummy-model Qwen2.5-7B --tokenizer-dir .tokenizer --out $OUT/structured_h100.json
 """
 

@@ -67,8 +67,7 @@ class Enqueuer:
     every request take its own pooled connection (the pool's lock and 1,000 connection
     handshakes) and a round trip; with the group commit (and a depth read shared then,
     before admission moved into the script) the gateway's CPU for such a burst fell from
-    1.40 to 0.85 s (2-core CPU, docs/benchmarks.md, "Where the wall time goes, and two
-    changes"). Each script is atomic on its own, so batching them changes nothing about
+    1.40 to 0.85 s (2-core CPU, docs/benchmarks.md, "Admission and the enqueue path"). Each script is atomic on its own, so batching them changes nothing about
     what a failure leaves.
     """
 

@@ -26,6 +26,7 @@ from gateway.batches import install_batch_routes
 from gateway.errors import OpenAIError, install_error_handlers, internal_error
 from gateway.failover import failover_loop
 from gateway.files import install_file_routes
+from gateway.generate_api import install_generate_route
 from gateway.handlers import check_auth, handle_generate
 from gateway.http_timeouts import timed_protocol
 from gateway.metrics import GatewayMetrics
@@ -48,12 +49,14 @@ from gateway.queue_metrics import queue_metrics_loop
 from gateway.rate_limits import RateLimiter
 from gateway.readiness import Readiness, readiness
 from gateway.relay import Relay
+from gateway.responses_api import handle_create, install_response_routes
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.sse import SERVER_SEND_KEY
 from gateway.state import GatewayState
 from gateway.stats import install_stats_route
 from gateway.tasks import BackgroundTasks
 from gateway.tenants import Tenants
+from gateway.tgi import install_tgi_routes
 from gateway.tokenize import TokenizerWorker
 from gateway.tokenizer_routes import DetokenizeRequest, TokenizeRequest, handle_detokenize, handle_tokenize
 from shared import tokenizer_loader
@@ -105,7 +108,7 @@ class GatewayApp(FastAPI):
     The generation endpoints are also served directly (``serve_directly``): a POST to one
     of their paths goes to its endpoint without FastAPI's middleware stack, router and
     dependency solving (12% of a gateway process's samples at 64 tokens a request, py-spy
-    on the H100 host: docs/benchmarks.md, "Session 13"). Their routes stay
+    on the H100 host: docs/benchmarks.md, "Gateway CPU per output token"). Their routes stay
     registered, for the OpenAPI schema and for any other method. FastAPI's OpenTelemetry
     hooks are off (``_NO_TELEMETRY``)."""
 
@@ -263,9 +266,17 @@ def create_app(gateway: GatewaySettings, redis: RedisSettings, model: ModelSetti
         check_auth(get_state(request), request)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.post("/v1/responses", include_in_schema=False)
+    async def responses(request: Request) -> Response:
+        return await handle_create(get_state(request), request)
+
+    app.serve_directly("/v1/responses", responses)
+    install_response_routes(app)
     install_file_routes(app, batch or BatchSettings())
     install_batch_routes(app, batch or BatchSettings())
     install_stats_route(app, batch or BatchSettings())
+    install_generate_route(app)
+    install_tgi_routes(app)
     return app
 
 
@@ -290,7 +301,7 @@ def run(gateway: GatewaySettings, redis: RedisSettings, model: ModelSettings, so
 
     A stop signal ends in ``KeyboardInterrupt`` here (uvicorn raises the signal again
     after its shutdown), which ``run`` absorbs, when SIGTERM's handler is
-    ``signal.default_int_handler`` (``shared.cli`` installs it): ``run`` then returns.
+    ``signal.default_int_handler`` (``gateway/cli.py`` installs it): ``run`` then returns.
     """
     import uvicorn
 

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from gateway.errors import OpenAIError
 from gateway.files import caller_of, list_page, owned_file, store_of
 from gateway.handlers import read_body
-from gateway.tenants import Caller
+from gateway.tenants import Caller, owned_or_404
 from shared.batch_store import BATCH_ENDPOINTS, COMPLETION_WINDOW, StoredBatch, enqueue_run, new_id
 from shared.settings import BatchSettings
 
@@ -65,9 +65,7 @@ def install_batch_routes(app: FastAPI, batch: BatchSettings) -> None:
         ``batch_not_found`` when it does not exist or belongs to another tenant (the same
         answer)."""
         stored = await store_of(request, batch).get_batch(batch_id)
-        if stored is None or not caller.owns(stored.owner):
-            raise OpenAIError(404, f"No such Batch object: {batch_id}", param="batch_id", code="batch_not_found")
-        return stored
+        return owned_or_404(stored, caller, f"No such Batch object: {batch_id}", "batch_id", "batch_not_found")
 
     async def batch_object(request: Request, batch_id: str) -> dict[str, Any]:
         stored = await store_of(request, batch).get_batch(batch_id)

@@ -16,7 +16,10 @@ and repeat; greedy choices are identical.
   every child, and XADDs them all or none (``admission.Enqueuer``), to the stream of the
   request's priority class and tenant (``shared/fair_queue.py``).
 - Response: one body, choices in index order; ``usage`` counts each prompt's tokens once
-  and every child's output tokens. A stream merges the children's steps as they arrive,
+  and every child's output tokens (``usage_of``, the one place a response's usage is
+  counted). ``cached_tokens`` counts each prompt once too: the prefix-cache hit of its
+  first choice (``Choice.first_of_prompt``); its siblings share the blocks it computed or
+  found, and their own hits are not added. A stream merges the children's steps as they arrive,
   each chunk with its choice's index (gateway/sse.py); an error in any child ends the
   stream (error event, ``[DONE]``), and every child closes (aborted if its worker still
   runs it).
@@ -169,7 +172,8 @@ class Choice:
     None once sent or when not asked; ``prompt_ids``: its prompt (for echoed logprobs);
     ``prompt_only``: echo with ``max_tokens: 0``, so every output token the worker sends
     (it runs one step to score the prompt) is dropped: no text, no logprobs, not counted,
-    and the choice ends with "length".
+    and the choice ends with "length". ``first_of_prompt``: the first choice of its prompt
+    (choice index ``prompt_index * n``), whose prefix-cache hit ``usage_of`` counts.
     """
 
     gen: Generation
@@ -179,6 +183,7 @@ class Choice:
     echo: str | None = None
     prompt_ids: Sequence[int] = ()
     prompt_only: bool = False
+    first_of_prompt: bool = True
 
     @property
     def num_output_tokens(self) -> int:
@@ -265,6 +270,14 @@ def num_output_tokens(choices: list[Choice]) -> int:
     return sum(c.num_output_tokens for c in choices)
 
 
+def usage_of(choices: list[Choice], num_prompt_tokens: int) -> dict[str, Any]:
+    """The ``usage`` of a response (a body's, or a stream's last chunk): ``num_prompt_tokens``
+    (each prompt once), every child's output tokens, and ``cached_tokens``, the prefix-cache
+    hit of each prompt's first choice (``Generation.num_cached_tokens``), summed over prompts."""
+    num_cached = sum(c.gen.num_cached_tokens for c in choices if c.first_of_prompt)
+    return usage(num_prompt_tokens, num_output_tokens(choices), num_cached)
+
+
 async def full_response(choices: list[Choice], num_prompt_tokens: int, headers: dict[str, str]) -> Response:
     """Wait for every child's whole output and answer one JSON body, choices in index
     order (or the first error: 499 when the client left)."""
@@ -278,7 +291,7 @@ async def full_response(choices: list[Choice], num_prompt_tokens: int, headers: 
     finally:
         close_all(choices)
     body = choices[0].shape.body([c.body_choice(t) for c, t in zip(choices, texts, strict=True)],
-                                 usage(num_prompt_tokens, num_output_tokens(choices)))
+                                 usage_of(choices, num_prompt_tokens))
     return JSONResponse(body, headers=headers)
 
 

@@ -25,7 +25,7 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import ClientDisconnect
 
 from gateway.errors import OpenAIError
-from gateway.tenants import Caller, identify
+from gateway.tenants import Caller, identify, owned_or_404
 from shared.batch_store import BATCH_ENDPOINTS, BatchStore, StoredFile, new_id
 from shared.redis_connect import is_cluster
 from shared.settings import BatchSettings
@@ -64,9 +64,7 @@ async def owned_file(request: Request, batch: BatchSettings, caller: Caller, fil
             to another tenant: the same answer, so a tenant learns nothing of others' ids.
     """
     stored = await store_of(request, batch).get_file(file_id)
-    if stored is None or not caller.owns(stored.owner):
-        raise OpenAIError(404, f"No such File object: {file_id}", param=param, code="file_not_found")
-    return stored
+    return owned_or_404(stored, caller, f"No such File object: {file_id}", param, "file_not_found")
 
 
 def store_of(request: Request, batch: BatchSettings) -> BatchStore:

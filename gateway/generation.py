@@ -78,6 +78,11 @@ class Generation:
         #: The prompt tokens' logprobs (``TokenOutput.prompt_logprobs``: entry ``i`` scores
         #: prompt token ``i + 1``), from the first entry, when the request asked for them.
         self.prompt_logprobs: list[TokenLogprobs] | None = None
+        #: Prompt tokens the worker found in its prefix cache (``TokenOutput.num_cached_tokens``
+        #: of the first entry of the newest attempt, at most the prompt's length): OpenAI's
+        #: ``usage.prompt_tokens_details.cached_tokens`` (``gateway/choices.py``, ``usage_of``).
+        self.num_cached_tokens = 0
+        self._cached_attempt = -1  # the attempt whose first entry set ``num_cached_tokens``
         # Delivery: steps not yet taken by the handler; ``_waiter`` (the handler waiting in
         # ``wait``) is woken when there are some (streams), when the output is over
         # (``_over``: finished or failed) and on ``close``.
@@ -119,6 +124,8 @@ class Generation:
         """
         if out.attempt < self.attempt:
             return False
+        if out.attempt > self._cached_attempt:
+            self._note_cached_tokens(out)
         if out.finish_reason is not None:
             self.worker_done = True
         if self._over:
@@ -147,6 +154,15 @@ class Generation:
         logprobs = out.logprobs[num_received - out.first_index:] if out.logprobs else None
         self._deliver(self.processor.process(new_ids, out.finish_reason, logprobs))
         return True
+
+    def _note_cached_tokens(self, out: TokenOutput) -> None:
+        """Take the prefix-cache hit from an attempt's first entry. Later entries may carry
+        another (a preempted request re-admitted with its own outputs in the cache); a
+        failover continuation's hit counts its prompt part only (its ``num_prompt_tokens``
+        is the original prompt's length; 0 from a build that sent none: not capped)."""
+        self._cached_attempt = out.attempt
+        cached = out.num_cached_tokens
+        self.num_cached_tokens = min(cached, out.num_prompt_tokens) if out.num_prompt_tokens else cached
 
     def worker_failed(self, error: ErrorMessage) -> bool:
         """The worker ended the request with ``error``; False when it was dropped as one

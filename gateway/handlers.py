@@ -1,5 +1,7 @@
-"""The two generation endpoints: validate, tokenize, admit, enqueue, then answer with
-one JSON body or an SSE stream (docs/architecture.md, "One request, step by step").
+"""Every generation route's pipeline, ``admit``: validate, tokenize, admit, enqueue
+(docs/architecture.md, "One request, step by step"); and the completions and chat
+endpoints, which answer with one JSON body or an SSE stream (other routes read their own
+bodies and write their own answers around ``admit``: gateway/responses_api.py...).
 
 Order of checks, cheap before expensive: auth (401), body size (413), body (400: types,
 list limits, ``n`` and the number of prompts, tool fields, at most one structured-output
@@ -17,12 +19,15 @@ import logging
 import re
 import secrets
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from gateway.choices import Choice, full_response, submit
 from gateway.errors import OpenAIError
+from gateway.generation import Generation
 from gateway.logprobs import LogprobsFormatter
 from gateway.placement import session_of
 from gateway.priority import request_class
@@ -37,17 +42,21 @@ from gateway.schemas import (
 )
 from gateway.sse import ChoicesStream
 from gateway.state import GatewayState
-from gateway.tenants import check_key, identify, tenant_of
+from gateway.tenants import Caller, check_key, identify, tenant_of
 from gateway.tokenize import check_prompt_tokens
 from gateway.tool_formats import tool_format_for_template
 from gateway.tool_parser import ToolCallStream
 from gateway.tools import template_messages, template_renders_tools
+from shared.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
 _REQUEST_ID_RE = re.compile(REQUEST_ID_PATTERN)
 _REJECT_REASONS = {400: "invalid_request", 401: "unauthorized", 404: "unknown_model", 409: "duplicate_request",
                    413: "body_too_large", 429: "queue_full", 503: "unavailable"}
+#: Rejections counted by their error code rather than their status (a 404 of a stored
+#: response named by the body is no unknown model: gateway/response_store.py).
+_REJECT_CODES = {RATE_LIMIT_CODE: "rate_limited", "response_not_found": "unknown_response"}
 
 
 def check_auth(state: GatewayState, request: Request) -> None:
@@ -97,21 +106,63 @@ def resolve_max_tokens(requested: int | None, default: int | None, num_prompt_to
     return max_tokens
 
 
-async def handle_generate(state: GatewayState, request: Request, *, chat: bool) -> Response:
-    """Serve ``POST /v1/completions`` (``chat=False``) or ``/v1/chat/completions``: one
-    child request per prompt and choice (gateway/choices.py)."""
+@dataclass(slots=True)
+class Admitted:
+    """A generation request past every check and on the queue (``admit``): its body
+    (``req``), its caller and id, each prompt's token ids and sampling parameters, its
+    children's records in choice-index order (``submit``), each prompt's text for
+    completions ``echo`` (else None) and the tenant's ``x-ratelimit-*`` headers."""
+
+    req: CompletionRequest | ChatCompletionRequest
+    caller: Caller
+    request_id: str
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    gens: list[Generation]
+    echoes: list[str] | None
+    rate_headers: dict[str, str]
+
+
+#: How ``admit`` reads a body: (the caller, the raw body) -> the request. The caller is
+#: there for bodies that name stored objects it must own (gateway/responses_api.py).
+#: Raises OpenAIError (400 naming the field, 404 for an object it may not see).
+BodyParser = Callable[[Caller, bytes], Awaitable[CompletionRequest | ChatCompletionRequest]]
+
+
+async def _parse_completion(_: Caller, body: bytes) -> CompletionRequest:
+    return parse_body(CompletionRequest, body)  # type: ignore[no-any-return]
+
+
+async def _parse_chat(_: Caller, body: bytes) -> ChatCompletionRequest:
+    return parse_body(ChatCompletionRequest, body)  # type: ignore[no-any-return]
+
+
+async def admit(state: GatewayState, request: Request, parse: BodyParser, *, id_prefix: str,
+                batch_allowed: bool = True,
+                default_max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS) -> Admitted:
+    """Take a generation request from its arrival to the queue, with the checks in the
+    module docstring's order: ``parse`` reads the body (a completions or chat body, or
+    another API's body translated into a chat request: gateway/responses_api.py), the
+    request id is ``id_prefix`` + the client's X-Request-Id or random hex, and
+    ``batch_allowed`` lets the batch worker name a tenant (``identify``).
+    ``default_max_tokens``: a completions request's ``max_tokens`` when it gives none
+    (None: fill the context, as chat; TGI's ``max_new_tokens``: gateway/tgi.py).
+
+    Raises:
+        OpenAIError: the first check that fails (counted in the rejection metrics; once
+            the tenant's limits admitted the request, its ``headers`` carry x-ratelimit-*).
+    """
     arrival_s = time.monotonic()
     rate_headers: dict[str, str] = {}  # x-ratelimit-* once the tenant's limits admitted the request
     queue_labels: tuple[str, str] | None = None  # (class, tenant label) once the class is known
     try:
-        caller = await identify(state.settings, state.tenants, request, batch_allowed=True)
+        caller = await identify(state.settings, state.tenants, request, batch_allowed=batch_allowed)
         body = await read_body(request, state.settings.max_body_bytes)
-        req: CompletionRequest | ChatCompletionRequest = parse_body(
-            ChatCompletionRequest if chat else CompletionRequest, body)
+        req = await parse(caller, body)
         req.check()
         if req.model != state.served_model_name:
             raise OpenAIError(404, f"the model {req.model!r} does not exist", param="model", code="model_not_found")
-        request_id = make_request_id(request, "chatcmpl-" if chat else "cmpl-")
+        request_id = make_request_id(request, id_prefix)
         max_len = state.max_model_len
         echoes: list[str] | None = None  # each prompt's text, for completions ``echo``
         if isinstance(req, ChatCompletionRequest):
@@ -126,7 +177,7 @@ async def handle_generate(state: GatewayState, request: Request, *, chat: bool) 
                                              "messages", param)]
         else:
             prompts = await state.tokenizer.completion_prompts(req.prompts, max_len)
-            max_tokens = [resolve_max_tokens(req.worker_max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, len(p), max_len,
+            max_tokens = [resolve_max_tokens(req.worker_max_tokens, default_max_tokens, len(p), max_len,
                                              "prompt", "max_tokens") for p in prompts]
             if req.echo:
                 echoes = await prompt_texts(state, req.prompts, prompts)
@@ -148,14 +199,27 @@ async def handle_generate(state: GatewayState, request: Request, *, chat: bool) 
                             id_scope=caller.key_tenant, session=session_of(request, req.user, state.settings),
                             constraint_param=None if constraint is None else constraint.param)
     except OpenAIError as exc:
-        state.metrics.rejected("rate_limited" if exc.code == RATE_LIMIT_CODE
-                               else _REJECT_REASONS.get(exc.status, str(exc.status)))
+        state.metrics.rejected(_REJECT_CODES.get(exc.code or "") or _REJECT_REASONS.get(exc.status, str(exc.status)))
         if queue_labels is not None:
             state.metrics.class_rejected.labels(state.served_model_name, *queue_labels).inc()
         exc.headers = {**rate_headers, **exc.headers}
-        return exc.response()
+        raise
     assert queue_labels is not None  # set before submit, which admitted the request
     state.metrics.class_admitted.labels(state.served_model_name, *queue_labels).inc()
+    return Admitted(req, caller, request_id, prompts, params, gens, echoes, rate_headers)
+
+
+async def handle_generate(state: GatewayState, request: Request, *, chat: bool) -> Response:
+    """Serve ``POST /v1/completions`` (``chat=False``) or ``/v1/chat/completions``: one
+    child request per prompt and choice (gateway/choices.py)."""
+    try:
+        admitted = await admit(state, request, _parse_chat if chat else _parse_completion,
+                               id_prefix="chatcmpl-" if chat else "cmpl-")
+    except OpenAIError as exc:
+        return exc.response()
+    req, request_id, prompts, params, gens = (admitted.req, admitted.request_id, admitted.prompts, admitted.params,
+                                              admitted.gens)
+    n, echoes, rate_headers = req.num_choices, admitted.echoes, admitted.rate_headers
     created_unix_s = int(time.time())
     num_top = params[0].logprobs
     choices = [Choice(gen, ResponseShape(request_id, state.served_model_name, created_unix_s, chat, index=k),
@@ -163,7 +227,8 @@ async def handle_generate(state: GatewayState, request: Request, *, chat: bool) 
                       if isinstance(req, ChatCompletionRequest) and req.parses_tool_calls else None,
                       logprobs=None if num_top is None else LogprobsFormatter(state.tokenizer.tokenizer, num_top, chat),
                       echo=None if echoes is None else echoes[k // n], prompt_ids=prompts[k // n],
-                      prompt_only=isinstance(req, CompletionRequest) and req.scores_prompt_only)
+                      prompt_only=isinstance(req, CompletionRequest) and req.scores_prompt_only,
+                      first_of_prompt=k % n == 0)
                for k, gen in enumerate(gens)]
     num_prompt_tokens = sum(len(p) for p in prompts)  # each prompt once, however many choices share it
     headers = {"X-Request-Id": request_id, **rate_headers}

@@ -14,7 +14,7 @@ accept a whole burst of connections.
 Each process starts listening when its uvicorn starts, so no connection waits on a
 process that is still loading its tokenizer. The children are ordinary children of the
 starting process: they get SIGKILL from the kernel when it dies (shared/lifecycle.py)
-and SIGTERM from it when it stops (``shared.cli``), so ``serve`` keeps its ordered stop.
+and SIGTERM from it when it stops (``gateway/cli.py``), so ``serve`` keeps its ordered stop.
 uvicorn's own ``workers=N`` supervisor would signal and restart its children on its own
 terms, and needs the app as an import string that reads its settings from the
 environment.

@@ -38,10 +38,19 @@ class ErrorResponse(BaseModel):
     error: ErrorObject
 
 
+class PromptTokensDetails(BaseModel):
+    """``cached_tokens``: the part of ``prompt_tokens`` found in the worker's prefix cache."""
+
+    cached_tokens: int
+
+
 class Usage(BaseModel):
+    """Token counts of a response (gateway/choices.py, ``usage_of``)."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class CompletionLogprobs(BaseModel):
@@ -201,5 +210,24 @@ def install_openapi(app: FastAPI) -> None:
             schema["security"] = [{}, {"bearer": []}]
             app.openapi_schema = schema
         return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def add_body_schemas(app: FastAPI, models: tuple[type[BaseModel], ...]) -> None:
+    """Make ``app.openapi()`` also list ``models`` (request bodies of routes installed
+    beside the app's own, which ``body_extra`` refers to) and the models they nest among
+    its component schemas. Call after ``install_openapi``."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        schema = build()
+        schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in models:
+            if model.__name__ not in schemas:
+                body = model.model_json_schema(ref_template=_REF_TEMPLATE)
+                schemas.update(body.pop("$defs", {}))
+                schemas[model.__name__] = body
+        return schema
 
     app.openapi = openapi  # type: ignore[method-assign]

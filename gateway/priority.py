@@ -14,14 +14,15 @@ from __future__ import annotations
 from starlette.requests import Request
 
 from gateway.errors import OpenAIError
-from shared.fair_queue import DEFAULT_CLASS, PRIORITY_CLASSES, PRIORITY_HEADER
+from shared.fair_queue import DEFAULT_CLASS, HIGHEST_CLASS, LOWEST_CLASS, PRIORITY_CLASSES, PRIORITY_HEADER
 
 
 def class_of_priority(priority: int) -> str:
-    """The class of vLLM's integer ``priority``: <0 interactive, 0 default, >0 batch."""
+    """The class of vLLM's integer ``priority``: <0 the highest (interactive), 0 the
+    default, >0 the lowest (batch)."""
     if priority < 0:
-        return "interactive"
-    return DEFAULT_CLASS if priority == 0 else "batch"
+        return HIGHEST_CLASS
+    return DEFAULT_CLASS if priority == 0 else LOWEST_CLASS
 
 
 def request_class(request: Request, body_priority: int | None) -> str:

@@ -26,10 +26,13 @@ def sse_event(payload: dict[str, Any]) -> bytes:
     return b"data: " + _json_encode(payload) + b"\n\n"
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
-    """OpenAI ``usage`` object."""
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI ``usage`` object, in tokens: ``prompt_tokens_details.cached_tokens`` is the
+    part of ``prompt_tokens`` found in the worker's prefix cache (as OpenAI and vLLM report
+    it; always present, 0 for a miss). What a response counts: ``choices.usage_of``."""
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens}
+            "total_tokens": num_prompt_tokens + num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +69,7 @@ class ResponseShape:
             return {"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
         return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def body(self, choices: list[dict[str, Any]], usage_: dict[str, int]) -> dict[str, Any]:
+    def body(self, choices: list[dict[str, Any]], usage_: dict[str, Any]) -> dict[str, Any]:
         """The non-streaming response body with ``choices`` (``choice``'s, in index order)."""
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices,
                 "usage": usage_}
@@ -103,7 +106,7 @@ class ResponseShape:
         choice = {"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None}
         return sse_event({**self._head("chat.completion.chunk"), "choices": [choice]})
 
-    def usage_chunk(self, usage_: dict[str, int]) -> dict[str, Any]:
+    def usage_chunk(self, usage_: dict[str, Any]) -> dict[str, Any]:
         """The final ``choices: []`` chunk of ``stream_options.include_usage``."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._head(obj), "choices": [], "usage": usage_}

@@ -33,10 +33,10 @@ from collections.abc import AsyncIterator
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.choices import Choice, close_all, fail_siblings, num_output_tokens
+from gateway.choices import Choice, close_all, fail_siblings, usage_of
 from gateway.errors import OpenAIError
 from gateway.output import Step
-from gateway.responses import DONE_EVENT, sse_event, usage
+from gateway.responses import DONE_EVENT, sse_event
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class ChoicesStream(Response):
                 return
             tail = DONE_EVENT
             if self._include_usage:
-                usage_ = usage(self._num_prompt_tokens, num_output_tokens(choices))
+                usage_ = usage_of(choices, self._num_prompt_tokens)
                 tail = sse_event(choices[0].shape.usage_chunk(usage_)) + DONE_EVENT
             await send({"type": "http.response.body", "body": tail, "more_body": True})
         except OpenAIError as exc:

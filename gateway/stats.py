@@ -21,7 +21,7 @@ from gateway.files import store_of
 from gateway.handlers import check_auth
 from gateway.openapi import error_responses
 from gateway.state import GatewayState
-from shared.queues import QueueSnapshot, WorkerInfo, snapshot
+from shared.queues import ClassInfo, QueueSnapshot, WorkerInfo, snapshot
 from shared.redis_connect import is_cluster
 from shared.settings import BatchSettings
 
@@ -38,6 +38,11 @@ class WorkerStats:
     Placement's view of it: ``num_waiting_prefill_tokens`` (prompt tokens it holds
     uncomputed), ``prefix_cache_hit_rate`` (hits / queries in tokens since it started;
     None before its first lookup), ``block_size`` and ``max_model_len`` (tokens).
+    ``prefix_cache_queries`` / ``prefix_cache_hits``: the prompt tokens it looked up in its
+    prefix cache / found there since it started. KV fragmentation of its running requests
+    (0..1, ``WorkerStatus``): ``kv_internal_fragmentation`` (share of their KV slots that
+    hold no token) and ``kv_contiguous_waste_ratio`` (share a contiguous ``max_model_len``
+    reservation per request would leave empty).
     """
 
     worker_id: str
@@ -57,6 +62,10 @@ class WorkerStats:
     prefix_cache_hit_rate: float | None = None
     block_size: int = 0
     max_model_len: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    kv_internal_fragmentation: float = 0.0
+    kv_contiguous_waste_ratio: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,19 +91,6 @@ class StreamStats:
 
 
 @dataclass(frozen=True, slots=True)
-class ClassStats:
-    """One priority class of a model, summed over its tenants' streams (``num_tenants``:
-    streams holding entries); ``oldest_waiting_age_s``: the longest wait (None: none)."""
-
-    model: str
-    priority_class: str
-    num_waiting: int
-    num_pending: int
-    oldest_waiting_age_s: float | None
-    num_tenants: int
-
-
-@dataclass(frozen=True, slots=True)
 class GatewayStats:
     """The gateway that answered. ``num_in_flight``: requests its relay holds (waiting for
     or receiving tokens); ``uptime_s``: since its app started (1 s resolution)."""
@@ -114,7 +110,7 @@ class Stats:
     taken_unix_s: float
     gateway: GatewayStats
     workers: list[WorkerStats]
-    classes: list[ClassStats]
+    classes: list[ClassInfo]  # shared/queues.py: one priority class, summed over its tenants
     streams: list[StreamStats]
     batches: dict[str, int]
 
@@ -132,7 +128,9 @@ def _worker(w: WorkerInfo, now_unix_s: float) -> WorkerStats:
         last_step_age_s=now_unix_s - st.last_step_unix_s if st.last_step_unix_s else None,
         heartbeat_age_s=w.heartbeat_age_s, num_waiting_prefill_tokens=st.num_waiting_prefill_tokens,
         prefix_cache_hit_rate=st.prefix_cache_hits / st.prefix_cache_queries if st.prefix_cache_queries else None,
-        block_size=st.block_size, max_model_len=st.max_model_len)
+        block_size=st.block_size, max_model_len=st.max_model_len, prefix_cache_queries=st.prefix_cache_queries,
+        prefix_cache_hits=st.prefix_cache_hits, kv_internal_fragmentation=st.kv_internal_fragmentation,
+        kv_contiguous_waste_ratio=st.kv_contiguous_waste_ratio)
 
 
 def build_stats(state: GatewayState, snap: QueueSnapshot, batches: dict[str, int]) -> Stats:
@@ -144,9 +142,7 @@ def build_stats(state: GatewayState, snap: QueueSnapshot, batches: dict[str, int
                              num_in_flight=state.relay.num_in_flight,
                              uptime_s=max(0.0, now - state.created_unix_s)),
         workers=[_worker(w, now) for w in snap.workers],
-        classes=[ClassStats(model=c.model, priority_class=c.priority_class, num_waiting=c.num_waiting,
-                            num_pending=c.num_pending, oldest_waiting_age_s=c.oldest_waiting_age_s,
-                            num_tenants=c.num_tenants) for c in snap.classes],
+        classes=list(snap.classes),
         streams=[StreamStats(model=s.model, priority_class=s.priority_class, tenant=s.tenant,
                              num_waiting=s.num_waiting, num_pending=s.num_pending,
                              oldest_waiting_age_s=s.oldest_waiting_age_s, num_redelivered=s.num_redelivered,

@@ -32,6 +32,7 @@ import hmac
 import re
 import time
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import redis.asyncio as aioredis
 from starlette.requests import Request
@@ -70,6 +71,28 @@ class Caller:
         """Whether this caller may see and act on an object of owner ``owner`` (a key
         tenant; "" for an object without one, which only admins see)."""
         return self.is_admin or (owner != "" and owner == self.key_tenant)
+
+
+class Owned(Protocol):
+    """A stored object with an owner (a key tenant; "" none: only admins see it)."""
+
+    owner: str
+
+
+O = TypeVar("O", bound=Owned)
+
+
+def owned_or_404(stored: O | None, caller: Caller, message: str, param: str, code: str) -> O:
+    """``stored`` if ``caller`` may see it (``Caller.owns``).
+
+    Raises:
+        OpenAIError: 404 with ``message``, ``param`` and ``code`` when ``stored`` is None
+            or belongs to another tenant: the same answer, so a tenant learns nothing of
+            others' ids.
+    """
+    if stored is None or not caller.owns(stored.owner):
+        raise OpenAIError(404, message, param=param, code=code)
+    return stored
 
 
 def tenant_id(tenant_key: bytes, api_key: str) -> str:

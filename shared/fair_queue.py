@@ -63,6 +63,8 @@ from shared.streams import QueueDepth, as_text, parse_pending_summary
 #: Priority classes, highest first; the index is the class's rank
 #: (``GenerateRequest.priority``: lower is served first, as vLLM's ``priority``).
 PRIORITY_CLASSES = ("interactive", "default", "batch")
+#: The highest and the lowest class (``PRIORITY_CLASSES``' ends).
+HIGHEST_CLASS, LOWEST_CLASS = PRIORITY_CLASSES[0], PRIORITY_CLASSES[-1]
 #: Header naming a request's class (``gateway/priority.py``).
 PRIORITY_HEADER = "X-Priority"
 #: Class of a request that names none.

@@ -9,7 +9,7 @@ slot of the part between the braces, so all of one model's streams, sets and has
 share a slot (one shard), and different models spread over the shards. Each Lua script
 touches the keys of one model only (the enqueue script's request-id key is the model's
 too), which a cluster requires of a script. The namespace holds no braces. Keys that
-belong to no model (heartbeats, files, batches) are read with one command per key or per
+belong to no model (heartbeats, files, batches, stored responses) are read with one command per key or per
 slot (``shared.redis_connect.mget``); pub/sub channels are not keys and live on every node.
 In the table, ``{{model}}`` is the model name in braces and every other ``{...}`` a value.
 
@@ -35,6 +35,7 @@ In the table, ``{{model}}`` is the model name in braces and every other ``{...}`
 | ``{ns}:file:{file_id}`` | string (JSON file object) | gateway (upload), batch worker (output files) | gateways |
 | ``{ns}:files`` | sorted set (file id by creation time) | as above | gateways (``GET /v1/files``) |
 | ``{ns}:files:owner:{tenant}`` | sorted set: the files of one owner (key tenant) | as above | gateways (``GET /v1/files`` of a non-admin key) |
+| ``{ns}:response:{response_id}`` | string with TTL (``responses_ttl_s``): a stored response, its owner and its conversation (``gateway/response_store.py``) | gateway (``POST /v1/responses`` with ``store``) | gateways (``GET``/``DELETE /v1/responses/{id}``, ``previous_response_id``) |
 | ``{ns}:batch:{batch_id}`` | hash (batch object fields, JSON values) | gateway (create, cancel), batch worker | gateways, batch workers |
 | ``{ns}:batches`` / ``{ns}:batches:active`` | sorted set / set of batch ids | gateway (create), batch worker (active: removed when done) | gateways (list), batch workers (resume) |
 | ``{ns}:batches:owner:{tenant}`` | sorted set: the batches of one owner (key tenant) | gateway (create) | gateways (``GET /v1/batches`` of a non-admin key) |
@@ -188,6 +189,11 @@ class Keys:
     def owner_files(self, owner: str) -> str:
         """Sorted set of the file ids of owner ``owner`` (a key tenant), scored by creation time."""
         return f"{self.namespace}:files:owner:{owner}"
+
+    def response_key(self, response_id: str) -> str:
+        """A stored Responses API response (``gateway/response_store.py``): one key per
+        response, of no model, so a Redis Cluster serves it too (one command per key)."""
+        return f"{self.namespace}:response:{response_id}"
 
     def batch_key(self, batch_id: str) -> str:
         """Hash of one batch's object fields, each value JSON (``shared/batch_store.py``)."""

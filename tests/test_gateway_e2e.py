@@ -38,7 +38,7 @@ async def test_completion_non_streaming(harness, tokenizer):
     prompt_ids = tokenizer("The capital of France:")["input_ids"]
     n_answer = len(tokenizer.encode(ANSWER, add_special_tokens=False)) + 1  # + EOS
     assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": n_answer,
-                             "total_tokens": len(prompt_ids) + n_answer}
+                             "total_tokens": len(prompt_ids) + n_answer, "prompt_tokens_details": {"cached_tokens": 0}}
     req = harness.worker.requests[-1]
     assert req.request_id == body["id"] and req.attempt == 0 and req.prompt_token_ids == prompt_ids
     assert req.sampling.max_tokens == 16 and req.reply_channel.startswith(f"{harness.keys.namespace}:gateway:")

@@ -31,8 +31,8 @@ import referencing
 import yaml  # type: ignore[import-untyped]
 
 from gateway.metrics import exported_names as gateway_names
-from shared.model_source import DEFAULT_MODEL_NAME, resolve_model, served_model_name
-from shared.settings import ALL_SETTINGS, ModelSettings, env_name
+from shared.model_source import resolve_model, served_model_name
+from shared.settings import ALL_SETTINGS, DEFAULT_MODEL_NAME, ModelSettings, env_name
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "shared" / "deploy"

@@ -17,7 +17,7 @@ from gateway.tokenize import TokenizerWorker
 from shared.model_source import ModelSource, eos_token_ids, max_model_len, served_model_name
 from shared.sampling import SamplingParams
 from shared.settings import EngineSettings, GatewaySettings, ModelSettings, RedisSettings
-from worker.backends.base import create_backend
+from worker.backends.factory import create_backend
 
 pytestmark = pytest.mark.timeout(120)
 

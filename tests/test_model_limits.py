@@ -47,7 +47,7 @@ from tests.test_gateway_harness import (  # noqa: F401 - fixtures are used by na
     source,
     tokenizer,
 )
-from worker.backends.base import create_backend
+from worker.backends.factory import create_backend
 
 pytestmark = pytest.mark.timeout(240)
 

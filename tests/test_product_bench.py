@@ -86,6 +86,11 @@ def test_tiny_cpu_run_writes_ratios_from_recorded_figures(tmp_path: Path, capsys
             # The worker's step trace covers the same steps (bench/step_trace.py splits the pass's wall time).
             split = breakdown(load(tmp_path / "logs" / "steps-c6.jsonl"), *p["monotonic_s"])
             assert split["steps"] == p["engine"]["steps"] and split["in_step"] <= split["wall_s"]
+            # The worker's KV gauges, sampled while requests ran (bench/kv_sampler.py).
+            kv = p["kv"]
+            assert kv["failed_scrapes"] == 0
+            for name in ("kv_usage", "internal_fragmentation", "contiguous_waste_ratio") if kv["samples"] else ():
+                assert 0 <= kv[name]["mean"] <= kv[name]["max"] <= 1
             assert p["offline_output_tok_s"] == offline["output_tok_s"]
             assert p["ratio_to_offline"] == pytest.approx(p["output_tok_s"] / offline["output_tok_s"])
             for name in ("ttft_ms", "itl_ms", "tpot_ms"):

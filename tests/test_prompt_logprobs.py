@@ -16,7 +16,7 @@ from worker.backends.base import RequestRejected
 from worker.backends.sim import SimBackend
 from worker.engine.prompt_logprobs import prompt_spans
 from worker.engine.request import Request
-from worker.engine.scheduler import ScheduledRequest
+from worker.engine.step_types import ScheduledRequest
 
 TEXT = ("The capital of France is Paris, and the capital of Germany is Berlin. Rivers run to the sea, "
         "and the sea is salt. def fibonacci(n): return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)")

@@ -152,7 +152,8 @@ def test_cli_queues_with_sim_worker(redis_server, tmp_path) -> None:
             "model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 7, "temperature": 0})
         assert r.status_code == 200, r.text
         body = r.json()
-        assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10}
+        assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}
         assert body["choices"][0]["finish_reason"] == "length"
         out = subprocess.run([sys.executable, "-m", "shared.cli", "queues", "--redis-url", redis_server.url, "--json"],
                              cwd=ROOT, capture_output=True, text=True, timeout=60, check=True).stdout

@@ -5,7 +5,8 @@ from __future__ import annotations
 from shared.sampling import SamplingParams
 from worker.engine.block_manager import BlockManager
 from worker.engine.request import Request, RequestStatus
-from worker.engine.scheduler import Scheduler, SchedulerOutput
+from worker.engine.scheduler import Scheduler
+from worker.engine.step_types import SchedulerOutput
 
 EOS = 0
 

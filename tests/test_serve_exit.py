@@ -17,7 +17,9 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from shared.cli import app
+from shared.cli import load_commands
+
+app = load_commands()
 from tests import processes
 from tests.test_serve_lifecycle import _alive, _descendants
 from worker.main import WorkerStartError, start_error

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from gateway.app import GATEWAY_ID_HEADER, GRACEFUL_SHUTDOWN_S
-from shared.cli import GATEWAY_EXIT_MARGIN_S, SERVE_WORKER_EXIT_MARGIN_S
+from gateway.cli import GATEWAY_EXIT_MARGIN_S, SERVE_WORKER_EXIT_MARGIN_S
 from tests import processes
 from tests.test_gateway_workers import gateway_ids
 

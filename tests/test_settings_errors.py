@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from shared.cli import app
+from shared.cli import load_commands
+
+app = load_commands()
 from shared.settings import EngineSettings, ModelSettings, SettingsError, WorkerSettings, build
 
 ROOT = Path(__file__).resolve().parents[1]

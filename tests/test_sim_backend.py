@@ -9,7 +9,8 @@ import pytest
 from shared.model_source import ModelSource
 from shared.sampling import SamplingParams
 from shared.settings import EngineSettings, ModelSettings
-from worker.backends.base import EngineBackend, RequestOutput, RequestRejected, create_backend
+from worker.backends.base import EngineBackend, RequestOutput, RequestRejected
+from worker.backends.factory import create_backend
 from worker.backends.sim import SimBackend
 
 

@@ -100,7 +100,7 @@ async def test_a_lone_stream_writes_every_step_once_and_coalesces_what_queued(sm
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == " Paris is the capital of France"
     assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
     assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": len(ids) + 1,
-                                   "total_tokens": len(ids) + 4}
+                                   "total_tokens": len(ids) + 4, "prompt_tokens_details": {"cached_tokens": 0}}
     assert client.sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
     assert closed == [gen] and gen.abort_reason is None  # closed once; the worker ended it itself
 

@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.model_source import DEFAULT_MODEL_NAME, resolve_model
+from shared.model_source import resolve_model
 from shared.protocol import FinishReason, TokenLogprobs
 from shared.sampling import SamplingParams
-from shared.settings import EngineSettings, ModelSettings
+from shared.settings import DEFAULT_MODEL_NAME, EngineSettings, ModelSettings
 from shared.tokenizer_loader import load_tokenizer
 from worker.engine.engine import LLMEngine
 

@@ -13,7 +13,7 @@ from shared.liveness import ready_workers
 from shared.model_source import ModelSourceError, resolve_model, served_model_name
 from shared.redis_connect import AsyncClient, connect
 from shared.settings import EngineSettings, ModelSettings, RedisSettings, WorkerSettings
-from worker.backends.base import create_backend
+from worker.backends.factory import create_backend
 from worker.engine_thread import EngineThread
 from worker.service import Worker, default_worker_id
 

@@ -10,11 +10,14 @@ reclaimed from dead workers.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -44,6 +47,14 @@ FAMILIES = (
     _Family("inferq:kv_cache_usage_perc", "gauge", "Fraction of KV-cache blocks in use (0..1)",
             lambda w, s: s.kv_usage),
     _Family("inferq:kv_cache_num_blocks", "gauge", "KV-cache blocks in all", lambda w, s: s.num_blocks),
+    # KV fragmentation of the running requests (worker/engine/block_manager.py, ``fragmentation``).
+    _Family("inferq:kv_internal_fragmentation", "gauge",
+            "Share of the KV slots held by running requests that hold no token (0..1)",
+            lambda w, s: s.kv_internal_fragmentation),
+    _Family("inferq:kv_contiguous_waste_ratio", "gauge",
+            "Share of the KV slots a contiguous max_model_len reservation per running request would leave "
+            "empty (0..1)",
+            lambda w, s: s.kv_contiguous_waste_ratio),
     _Family("inferq:num_preemptions", "counter", "Requests preempted (KV recomputed later)",
             lambda w, s: s.num_preemptions),
     _Family("inferq:prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache",
@@ -110,10 +121,30 @@ class WorkerCollector(Collector):
             yield family
 
 
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # one line per scrape otherwise
+        pass
+
+
 def start_metrics_server(port: int, worker: Worker) -> Any:
     """Serve ``/metrics`` for ``worker`` on ``port`` (all interfaces, so Prometheus can
-    reach a container) in a daemon thread; returns the server."""
+    reach a container) in a daemon thread; returns the server (``shutdown()`` stops it).
+
+    Always in the classic text format, as the gateway's: Prometheus 2.x asks for OpenMetrics
+    first, and prometheus_client answers that with names escaped to underscores
+    (``inferq_kv_cache_usage_perc``), which no dashboard query of ``inferq:...`` finds."""
     registry = CollectorRegistry()
     registry.register(WorkerCollector(worker))
-    server, _thread = start_http_server(port, registry=registry)
+    app = make_wsgi_app(registry)
+
+    def classic_text(environ: dict[str, Any], start_response: Any) -> Any:
+        environ.pop("HTTP_ACCEPT", None)
+        return app(environ, start_response)
+
+    server = make_server("0.0.0.0", port, classic_text, server_class=_Server, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server

@@ -494,7 +494,9 @@ class Worker:
                             engine_stall_timeout_s=self.steps.stall_timeout_s,
                             num_waiting_prefill_tokens=s.num_waiting_prefill_tokens, num_blocks=s.num_blocks,
                             max_num_batched_tokens=b.max_num_batched_tokens, max_model_len=b.max_model_len,
-                            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits)
+                            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+                            kv_internal_fragmentation=s.kv_internal_fragmentation,
+                            kv_contiguous_waste_ratio=s.kv_contiguous_waste_ratio)
 
     async def _heartbeat_loop(self) -> None:
         key = self.keys.worker_key(self.worker_id)

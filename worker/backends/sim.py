@@ -288,15 +288,21 @@ class SimBackend:
                              request.num_prompt_tokens, request.num_cached_tokens)
 
     def stats(self) -> EngineStats:
-        """Load snapshot: counts, the block manager's usage and prefix-cache counters, and
-        the prefill tokens still to compute (``Request.num_prefill_tokens_left``)."""
-        held = [*self._waiting, *self._running.values()]
+        """Load snapshot: counts, the block manager's usage and prefix-cache counters, the
+        prefill tokens still to compute (``Request.num_prefill_tokens_left``) and the KV
+        fragmentation of the running requests (``BlockManager.fragmentation``: their
+        blocks reserved up front for ``max_tokens`` count as empty until filled)."""
+        running = list(self._running.values())
+        held = [*self._waiting, *running]
         bm = self.block_manager
-        return EngineStats(num_running=len(self._running), num_waiting=len(self._waiting), kv_usage=bm.usage,
+        frag = bm.fragmentation(running, self.max_model_len)
+        return EngineStats(num_running=len(running), num_waiting=len(self._waiting), kv_usage=bm.usage,
                            num_free_blocks=bm.num_free_blocks, num_blocks=bm.num_blocks,
                            num_preemptions=self.num_preemptions, prefix_cache_queries=bm.num_prefix_queries,
                            prefix_cache_hits=bm.num_prefix_hits,
-                           num_waiting_prefill_tokens=sum(r.num_prefill_tokens_left for r in held))
+                           num_waiting_prefill_tokens=sum(r.num_prefill_tokens_left for r in held),
+                           kv_internal_fragmentation=frag.internal_fragmentation,
+                           kv_contiguous_waste_ratio=frag.contiguous_waste_ratio)
 
     def take_kv_events(self) -> KVEvents:
         """The prefix cache's changes since the last call (``BlockManager.take_kv_events``;

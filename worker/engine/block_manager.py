@@ -25,6 +25,13 @@ never read a block wholly before the window (``kernels/paged_attention.py``). A 
 block keeps its hash, like any freed block: another request with the same prefix may
 still find it until it is reused.
 
+Fragmentation (``fragmentation``): of the slots in blocks held by requests, the share that
+holds no token (internal fragmentation: the unfilled tail of each running request's last
+block, and blocks reserved ahead of its tokens), beside what reserving ``max_model_len``
+contiguous slots per running request would leave empty on the same requests: the
+comparison of the PagedAttention paper (section 3, "Memory Management in Existing
+Systems"), whose contiguous systems reserve a request's maximum length up front.
+
 Source: Kwon et al., "Efficient Memory Management for Large Language Model Serving
 with PagedAttention" (SOSP 2023); vLLM v1 ``KVCacheManager``.
 """
@@ -32,7 +39,10 @@ with PagedAttention" (SOSP 2023); vLLM v1 ``KVCacheManager``.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import repeat
+from operator import attrgetter, mul, sub
 
 from shared.block_hashes import BlockHasher
 from worker.backends.kv_events import NO_KV_EVENTS, KVEventLog, KVEvents
@@ -43,6 +53,8 @@ NO_HASH = b""
 #: Block-table entry of a block released by ``free_outside_window``: not a block id
 #: (no block is ever read or written through it).
 FREED_BLOCK = -1
+_token_ids = attrgetter("token_ids")
+_block_table = attrgetter("block_table")
 
 
 @dataclass(slots=True)
@@ -53,6 +65,36 @@ class Block:
     block_id: int
     ref_count: int = 0
     hash: bytes = NO_HASH
+
+
+@dataclass(frozen=True, slots=True)
+class KVFragmentation:
+    """How full the KV slots of the running requests are, in slots (one slot holds one
+    token's K and V in every layer).
+
+    ``num_allocated_slots``: ``block_size`` times the blocks held by requests, each shared
+    (prefix-cached) block once; ``num_empty_slots``: of those, the slots past each
+    request's tokens (the unfilled end of its last block, and blocks reserved ahead);
+    ``num_tokens``: the running requests' tokens (prompt and outputs so far), each request
+    counting its own (a shared prefix once per request, as contiguous copies would hold
+    it); ``num_contiguous_slots``: ``max_model_len`` per running request.
+    """
+
+    num_allocated_slots: int = 0
+    num_empty_slots: int = 0
+    num_tokens: int = 0
+    num_contiguous_slots: int = 0
+
+    @property
+    def internal_fragmentation(self) -> float:
+        """Share of the allocated slots that hold no token (0..1; 0 when none is allocated)."""
+        return self.num_empty_slots / self.num_allocated_slots if self.num_allocated_slots else 0.0
+
+    @property
+    def contiguous_waste_ratio(self) -> float:
+        """Share of ``num_contiguous_slots`` that would hold no token (0..1; 0 with no
+        running request)."""
+        return 1.0 - self.num_tokens / self.num_contiguous_slots if self.num_contiguous_slots else 0.0
 
 
 class BlockManager:
@@ -94,6 +136,28 @@ class BlockManager:
     def usage(self) -> float:
         """Fraction of blocks held by requests (0..1)."""
         return 1.0 - len(self._free) / self.num_blocks
+
+    def fragmentation(self, running: Iterable[Request], max_model_len: int) -> KVFragmentation:
+        """The KV fragmentation of ``running``, every request that holds blocks
+        (``KVFragmentation``; ``max_model_len`` in tokens).
+
+        A request's slots are those of its block table (a sliding window's released
+        blocks, ``FREED_BLOCK`` entries, count as holding their tokens, so they cancel
+        out); its empty ones are those past its tokens, the prompt and the outputs sampled
+        so far, whether their KV is written or being written by the step in flight (so a
+        prefill chunk never reads as empty; a token sampled on the device and not yet
+        appended does, for one step). Only full, computed blocks are ever shared, so each
+        empty slot belongs to one request. Cost: C-level passes over ``running`` (it runs
+        with every step's load figures).
+        """
+        running = list(running)
+        bs = self.block_size
+        num_tokens = list(map(len, map(_token_ids, running)))
+        table_slots = map(mul, map(len, map(_block_table, running)), repeat(bs))
+        num_empty = sum(map(max, map(sub, table_slots, num_tokens), repeat(0)))
+        num_allocated = (self.num_blocks - len(self._free)) * bs
+        return KVFragmentation(num_allocated_slots=num_allocated, num_empty_slots=min(num_empty, num_allocated),
+                               num_tokens=sum(num_tokens), num_contiguous_slots=len(running) * max_model_len)
 
     def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
         """Blocks to add so the request can hold ``num_computed_tokens + num_new_tokens``."""

@@ -7,10 +7,8 @@ captured graph costs one launch. vLLM does the same: capture at start-up, for pa
 batch sizes 1, 2, 4, 8, then every 8 (here 16 above 32) up to ``max_num_seqs``.
 
 Static buffers (the graphs read them at fixed addresses; the model runner fills them
-with two host-to-device copies per step, see ``StaticInputs``):
-    int64: input_ids | positions | slot_mapping            each [max_bs]
-    int32: block_tables [max_bs, max_blocks] | query_start_loc [max_bs + 1] | seq_lens [max_bs]
-A bucket ``b`` graph reads the first ``b`` rows. Rows past the real batch are padding:
+with two host-to-device copies per step, see ``StaticInputs``): ``packed_step.py``'s
+layout with ``max_bs`` tokens and sequences. A bucket ``b`` graph reads the first ``b`` rows. Rows past the real batch are padding:
 slot -1 (no KV write), query length 0 and seq_len 0 (attention skips them); their
 logits are computed and ignored. Output: logits ``[b, vocab]`` float32 of every row.
 
@@ -41,6 +39,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from worker.engine.packed_step import PackedStepBuffers
 from worker.models.attention import AttentionBackend, AttentionMetadata
 from worker.models.llama import KVCache, LlamaForCausalLM
 
@@ -205,59 +204,34 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
-class StaticInputs:
-    """The packed step inputs: a pinned host copy filled by numpy, and the device
-    buffers the graphs read. ``upload()`` is the step's two host-to-device copies."""
+class StaticInputs(PackedStepBuffers):
+    """The packed decode-step inputs (``packed_step.py``'s layout with ``max_bs`` tokens
+    and sequences, one token each, no logits indices): a pinned host copy filled by
+    numpy, and the device buffers the graphs read."""
 
     def __init__(self, max_bs: int, max_blocks: int, device: torch.device) -> None:
-        self.max_bs, self.max_blocks = max_bs, max_blocks
-        n32 = max_bs * max_blocks + 2 * max_bs + 1
-        self.host64 = torch.zeros(3 * max_bs, dtype=torch.int64, pin_memory=True)
-        self.host32 = torch.zeros(n32, dtype=torch.int32, pin_memory=True)
-        self.dev64 = torch.zeros(3 * max_bs, dtype=torch.int64, device=device)
-        self.dev32 = torch.zeros(n32, dtype=torch.int32, device=device)
-        self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()
-        # A copy may still be reading the pinned buffer when the next step refills it
-        # (a step that samples nothing does not synchronise); wait for it first.
-        self._uploaded = torch.cuda.Event()
+        super().__init__(max_bs, max_bs, max_blocks, device)
+        self.max_bs = max_bs
 
     def fill(self, input_ids: list[int], positions: list[int], slots: list[int],
              block_tables: list[list[int]], seq_lens: list[int]) -> None:
         """Write one decode step (``n`` sequences, one token each) and its padding."""
-        self._uploaded.synchronize()
-        n, bs, mb = len(input_ids), self.max_bs, self.max_blocks
-        a, b = self.np64, self.np32
-        a[:n], a[n:bs] = input_ids, 0
-        a[bs:bs + n], a[bs + n:2 * bs] = positions, 0
-        a[2 * bs:2 * bs + n], a[2 * bs + n:] = slots, -1
-        tables = b[:bs * mb].reshape(bs, mb)
+        self.wait_for_upload()
+        n = len(input_ids)
+        self._ids[:n], self._ids[n:] = input_ids, 0
+        self._pos[:n], self._pos[n:] = positions, 0
+        self._slots[:n], self._slots[n:] = slots, -1
         if block_tables:
             width = max(len(row) for row in block_tables)
-            tables[:n, :width] = [row + [0] * (width - len(row)) for row in block_tables]
-        qsl = b[bs * mb:bs * mb + bs + 1]
+            self._tables[:n, :width] = [row + [0] * (width - len(row)) for row in block_tables]
+        qsl = self._qsl
         qsl[:n + 1] = np.arange(n + 1)
         qsl[n + 1:] = n
-        lens = b[bs * mb + bs + 1:]
-        lens[:n], lens[n:] = seq_lens, 0
-
-    def upload(self) -> None:
-        self.dev64.copy_(self.host64, non_blocking=True)
-        self.dev32.copy_(self.host32, non_blocking=True)
-        self._uploaded.record()
+        self._seq_lens[:n], self._seq_lens[n:] = seq_lens, 0
 
     def views(self, b: int, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """``(input_ids, positions, metadata)`` of the first ``b`` rows."""
-        bs, mb = self.max_bs, self.max_blocks
-        d64, d32 = self.dev64, self.dev32
-        meta = AttentionMetadata(
-            slot_mapping=d64[2 * bs:2 * bs + b],
-            block_tables=d32[:bs * mb].view(bs, mb)[:b],
-            query_start_loc=d32[bs * mb:bs * mb + b + 1],
-            seq_lens=d32[bs * mb + bs + 1:bs * mb + bs + 1 + b],
-            max_query_len=1,
-            max_seq_len=max_seq_len,
-        )
-        return d64[:b], d64[bs:bs + b], meta
+        return self.attention_metadata(b, b, 1, max_seq_len)
 
 
 class DecodeGraphs:

@@ -50,8 +50,8 @@ from worker.engine.cuda_graphs import DecodeGraphs
 from worker.engine.mixed_graphs import StepInputs
 from worker.engine.model_runner import allocate_kv_cache, kv_cache_dtype, slot
 from worker.engine.request import Request
-from worker.engine.scheduler import ScheduledRequest
 from worker.engine.spec_decode import Proposer
+from worker.engine.step_types import ScheduledRequest
 from worker.models.attention import select_backend
 from worker.models.config import ModelConfig
 from worker.models.llama import LlamaForCausalLM

@@ -24,8 +24,9 @@ from worker.engine.draft_proposer import DraftProposer, draft_num_blocks, load_d
 from worker.engine.kv_calibration import kv_calibration_ids
 from worker.engine.model_runner import ModelRunner, StepLaunch, decode_inputs, kv_cache_dtype
 from worker.engine.request import GRAMMAR_FAILED, Request
-from worker.engine.scheduler import Scheduler, SchedulerOutput
+from worker.engine.scheduler import Scheduler
 from worker.engine.spec_decode import NgramProposer, Proposer, SpecStats
+from worker.engine.step_types import SchedulerOutput
 from worker.models.config import ModelConfig
 from worker.models.fp8 import resolve_quantization
 from worker.models.llama import ForwardStopped
@@ -497,12 +498,17 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """The scheduler's counts, with the prefill tokens its requests still have to
-        compute (``Request.num_prefill_tokens_left``, summed over waiting and running).
+        compute (``Request.num_prefill_tokens_left``, summed over waiting and running)
+        and the KV fragmentation of the running ones (``BlockManager.fragmentation``).
         The heartbeat calls it while a step may run on the engine thread: the queues are
         copied first (one C call each, so no step mutates them midway)."""
         s = self.scheduler
-        held = [*s.waiting, *s.running]
-        return replace(s.make_stats(), num_waiting_prefill_tokens=sum(r.num_prefill_tokens_left for r in held))
+        running = list(s.running)
+        held = [*s.waiting, *running]
+        frag = s.block_manager.fragmentation(running, self.max_model_len)
+        return replace(s.make_stats(), num_waiting_prefill_tokens=sum(r.num_prefill_tokens_left for r in held),
+                       kv_internal_fragmentation=frag.internal_fragmentation,
+                       kv_contiguous_waste_ratio=frag.contiguous_waste_ratio)
 
     def take_kv_events(self) -> KVEvents:
         """The prefix cache's changes since the last call (``BlockManager.take_kv_events``;

@@ -37,7 +37,8 @@ import numpy as np
 import torch
 
 from worker.engine.cuda_graphs import LayerPieces, PiecewiseReplay
-from worker.engine.scheduler import ScheduledRequest
+from worker.engine.packed_step import PackedStepBuffers
+from worker.engine.step_types import ScheduledRequest
 from worker.models.attention import AttentionBackend, AttentionMetadata
 from worker.models.llama import KVCache, LlamaForCausalLM
 
@@ -77,44 +78,23 @@ class StepShape:
     seq_lens: list[int]
 
 
-class StepInputs:
-    """A step's inputs packed into two buffers: a pinned host copy filled by numpy and
+class StepInputs(PackedStepBuffers):
+    """A step's inputs packed into two buffers (``packed_step.py``'s layout, with
+    ``logits_indices`` of ``max_sampled`` rows): a pinned host copy filled by numpy and
     the device copy the model reads; ``upload()`` is the step's two host-to-device copies
-    (on CPU the host buffers are the device buffers).
-
-    Layout, for capacities of ``T`` tokens, ``S`` sequences, ``B`` blocks per sequence:
-        int64: input_ids [T] | positions [T] | slot_mapping [T] | logits_indices [S or max_sampled]
-        int32: block_tables [S, B] | query_start_loc [S + 1] | seq_lens [S]
-    ``fill`` writes a step of at most ``T`` tokens and ``S`` sequences; ``views(t, s)``
-    gives its first ``t`` tokens and ``s`` sequences. Rows past the step are padding: slot
-    -1, query length 0, ``seq_len`` 0, logits index 0. Block-table entries past a
-    sequence's blocks are stale (never read).
+    (on CPU the host buffers are the device buffers). ``fill`` writes a step of at most
+    ``T`` tokens and ``S`` sequences; ``views(t, s)`` gives its first ``t`` tokens and
+    ``s`` sequences. Rows past the step are padding: slot -1, query length 0,
+    ``seq_len`` 0, logits index 0. Block-table entries past a sequence's blocks are stale
+    (never read).
     """
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, block_size: int,
                  device: torch.device, max_sampled: int = 0) -> None:
         """``max_sampled``: capacity of ``logits_indices`` (0: ``max_seqs``, one row per
         sequence; a speculative step scores more rows, up to its token count)."""
-        self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
-        max_sampled = max_sampled or max_seqs
+        super().__init__(max_tokens, max_seqs, max_blocks, device, max_sampled or max_seqs)
         self.block_size = block_size
-        on_cuda = device.type == "cuda"
-        n64 = 3 * max_tokens + max_sampled
-        n32 = max_seqs * max_blocks + 2 * max_seqs + 1
-        self.host64 = torch.zeros(n64, dtype=torch.int64, pin_memory=on_cuda)
-        self.host32 = torch.zeros(n32, dtype=torch.int32, pin_memory=on_cuda)
-        self.dev64 = torch.zeros(n64, dtype=torch.int64, device=device) if on_cuda else self.host64
-        self.dev32 = torch.zeros(n32, dtype=torch.int32, device=device) if on_cuda else self.host32
-        self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()
-        T, S, B = max_tokens, max_seqs, max_blocks
-        self._ids, self._pos, self._slots, self._logits_idx = (self.np64[:T], self.np64[T:2 * T],
-                                                               self.np64[2 * T:3 * T], self.np64[3 * T:])
-        self._tables = self.np32[:S * B].reshape(S, B)
-        self._qsl = self.np32[S * B:S * B + S + 1]
-        self._seq_lens = self.np32[S * B + S + 1:]
-        # A copy may still be reading the pinned buffers when the next step refills them
-        # (a step that samples nothing does not synchronise); fill waits for it first.
-        self._uploaded = torch.cuda.Event() if on_cuda else None
 
     def fill(self, batch: Sequence[ScheduledRequest], pad_tokens_to: int = 0) -> StepShape:
         """Pack a step: each request's tokens ``[num_computed_tokens, + num_tokens)``, their
@@ -128,8 +108,7 @@ class StepInputs:
         Raises:
             ValueError: more tokens, sequences or blocks than the buffers hold.
         """
-        if self._uploaded is not None:
-            self._uploaded.synchronize()
+        self.wait_for_upload()
         q_lens = [item.num_tokens for item in batch]
         starts = [item.request.num_computed_tokens for item in batch]
         n, num_tokens = len(batch), sum(q_lens)
@@ -167,34 +146,19 @@ class StepInputs:
         self._logits_idx[len(sampled):] = 0
         return StepShape(num_tokens, n, len(sampled), max(q_lens, default=0), max(s_lens, default=0), q_lens, s_lens)
 
-    def upload(self) -> None:
-        """Enqueue the two host-to-device copies (nothing to do on CPU)."""
-        if self._uploaded is None:
-            return
-        self.dev64.copy_(self.host64, non_blocking=True)
-        self.dev32.copy_(self.host32, non_blocking=True)
-        self._uploaded.record()
-
     def views(self, num_tokens: int, num_seqs: int, num_sampled: int, max_query_len: int, max_seq_len: int,
               shape: StepShape | None = None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """``(input_ids [t], positions [t], metadata of s sequences, logits_indices [k])``
         for ``t = num_tokens``, ``s = num_seqs``, ``k = num_sampled``, on the device, with
         the hints ``max_query_len`` and ``max_seq_len``. ``shape``: the step is exactly
         what ``fill`` returned (no padding), so the host lengths go into the metadata."""
-        T, S, B = self.max_tokens, self.max_seqs, self.max_blocks
-        d64, d32 = self.dev64, self.dev32
-        meta = AttentionMetadata(
-            slot_mapping=d64[2 * T:2 * T + num_tokens],
-            block_tables=d32[:S * B].view(S, B)[:num_seqs],
-            query_start_loc=d32[S * B:S * B + num_seqs + 1],
-            seq_lens=d32[S * B + S + 1:S * B + S + 1 + num_seqs],
-            max_query_len=max_query_len,
-            max_seq_len=max_seq_len,
+        ids, pos, meta = self.attention_metadata(
+            num_tokens, num_seqs, max_query_len, max_seq_len,
             query_lens_cpu=shape.query_lens if shape is not None else None,
             seq_lens_cpu=shape.seq_lens if shape is not None else None,
-            has_padding=shape is None,
-        )
-        return d64[:num_tokens], d64[T:T + num_tokens], meta, d64[3 * T:3 * T + num_sampled]
+            has_padding=shape is None)
+        T = self.max_tokens
+        return ids, pos, meta, self.dev64[3 * T:3 * T + num_sampled]
 
 
 class MixedGraphs:

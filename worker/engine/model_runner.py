@@ -48,8 +48,8 @@ from worker.engine.mixed_graphs import MixedGraphs, StepInputs
 from worker.engine.prompt_logprobs import compute_prompt_logprobs, prompt_spans, warm_up_steps
 from worker.engine.request import Request
 from worker.engine.sampler import RawLogprobs, Sampler, host_list_to_device
-from worker.engine.scheduler import ScheduledRequest
 from worker.engine.spec_decode import verify
+from worker.engine.step_types import ScheduledRequest
 from worker.models.attention import AttentionMetadata, select_backend
 from worker.models.config import ModelConfig
 from worker.models.llama import ForwardStopped, KVCache, LlamaForCausalLM

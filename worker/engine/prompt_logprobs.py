@@ -27,7 +27,7 @@ import torch
 from shared.protocol import TokenLogprobs
 from shared.sampling import SamplingParams
 from worker.engine.request import Request
-from worker.engine.scheduler import ScheduledRequest
+from worker.engine.step_types import ScheduledRequest
 
 #: Positions whose logits are materialised at once: 512 x 152k float32 (Qwen2.5) is 0.3 GB.
 MAX_ROWS = 512

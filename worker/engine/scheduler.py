@@ -40,15 +40,15 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 from worker.backends.base import EngineStats
 from worker.engine.block_manager import BlockManager
 from worker.engine.fair_share import blocked_tenants, claim_victim
 from worker.engine.request import Request, RequestStatus
+from worker.engine.step_types import ScheduledRequest, SchedulerOutput, StepResult
 
 #: The prefill cap's floor (``Scheduler._prefill_budget``), tokens: a step of this many
-#: prompt tokens already runs near the GPU's matmul rate (docs/benchmarks.md: 81% on the
+#: prompt tokens already runs near the GPU's matmul rate (docs/benchmarks.md: 83-84% on the
 #: H100 at 512-token prompts), so a smaller cap would only add steps while few sequences
 #: decode (a start-up ramp), each reading every weight once more.
 MIN_PREFILL_TOKENS = 512
@@ -58,61 +58,6 @@ MIN_PREFILL_TOKENS = 512
 #: (up to ``max_num_batched_tokens``) takes one step, so a few cover the chunks of a
 #: long prompt or several arrivals in a row.
 MAX_PRIORITY_PAUSES = 4
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    """One request in a step and how many of its tokens the step computes.
-    ``num_spec_tokens``: how many of them are draft tokens to verify (the last ones,
-    ``request.spec_token_ids``; speculative decoding), 0 otherwise."""
-
-    request: Request
-    num_tokens: int
-    num_spec_tokens: int = 0
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the request's tokens, so the step
-        samples its next token (partial prefill chunks do not)."""
-        r = self.request
-        return r.num_computed_tokens + self.num_tokens - self.num_spec_tokens == r.num_tokens + r.num_pending_tokens
-
-    def input_token_ids(self) -> list[int]:
-        """The step's input tokens of this request: its tokens from
-        ``num_computed_tokens`` on, then its drafts. A token still in flight
-        (``Request.num_pending_tokens``) is a 0 here: the step's launch puts the sampled id
-        in its place on the device (``ModelRunner.launch_step``)."""
-        r, start = self.request, self.request.num_computed_tokens
-        n = self.num_tokens - self.num_spec_tokens
-        ids = r.token_ids[start:start + n]
-        if len(ids) < n:
-            ids = ids + [0] * (n - len(ids))
-        return ids + r.spec_token_ids[:self.num_spec_tokens] if self.num_spec_tokens else ids
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """What one step computes. ``scheduled`` keeps running requests before new ones."""
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass(slots=True)
-class StepResult:
-    """New tokens of one request after a step, for the engine's caller."""
-
-    request: Request
-    new_token_ids: list[int]
-    first_index: int  # index of new_token_ids[0] among the request's output tokens
 
 
 class Scheduler:

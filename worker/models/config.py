@@ -21,8 +21,8 @@ SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Shapes and constants of one decoder-only model (Llama 2/3, Mistral, Qwen2/2.5/3,
-    SmolLM2, Gemma 3 text).
+    """Shapes and constants of one decoder-only model (Llama 2/3, Mistral, Mixtral,
+    Qwen2/2.5/3, Qwen3-MoE, SmolLM2, Gemma 3 text).
 
     ``rope_scaling`` is the HF dict as sorted items (``rope_type`` ``llama3`` or
     ``linear``; empty: none), applied to the global layers' rotary. ``layer_types`` has
@@ -33,7 +33,7 @@ class ModelConfig:
     attention and the MLP too), ``embed_scale`` (embeddings times it), ``attn_scale``
     (softmax scale; None: ``head_dim ** -0.5``), ``rope_local_theta`` (rotary base of the
     sliding layers, unscaled; None: ``rope_theta``), ``final_logit_softcapping``.
-    The mixture-of-experts fields (Qwen3-MoE; ``worker/models/moe.py``): ``num_experts``
+    The mixture-of-experts fields (Qwen3-MoE, Mixtral; ``worker/models/moe.py``): ``num_experts``
     (0: a dense model), ``num_experts_per_tok`` (top-k), ``moe_intermediate_size`` (each
     expert's ``I``), ``norm_topk_prob`` (renormalise the top-k router probabilities),
     ``decoder_sparse_step`` and ``mlp_only_layers`` (which layers are sparse:
@@ -265,6 +265,25 @@ def _qwen3_moe(cfg: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _mixtral(cfg: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """Mixtral: Mistral's attention (every layer slides when ``sliding_window`` is set) and
+    a sparse MoE feed-forward on every layer: ``num_local_experts`` SwiGLU experts of
+    ``intermediate_size``, top ``num_experts_per_tok``, the picked router probabilities
+    always renormalised (transformers' ``MixtralTopKRouter``), no shared expert."""
+    num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    top_k = int(cfg["num_experts_per_tok"]) if cfg.get("num_experts_per_tok") is not None else 2
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"mixtral: num_experts_per_tok {top_k} must be between 1 and num_local_experts "
+                         f"({num_experts})")
+    return {
+        **_mistral(cfg, fields),
+        "num_experts": num_experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": fields["intermediate_size"],
+        "norm_topk_prob": True,
+    }
+
+
 #: model_type -> the family's fields on top of the shared ones (``ModelConfig.from_hf``).
 _FAMILIES: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     "llama": _llama,
@@ -273,5 +292,6 @@ _FAMILIES: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]]
     "qwen3": lambda cfg, fields: _qwen(cfg, fields, qk_norm=True),
     "gemma3_text": _gemma3_text,
     "qwen3_moe": _qwen3_moe,
+    "mixtral": _mixtral,
 }
 SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)

@@ -220,7 +220,7 @@ class MLP(nn.Module):
 
 def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
     """The feed-forward block of layer ``layer``: the one place a family picks its MLP
-    (``forward(x [T, hidden], fused: bool) -> [T, hidden]``): Qwen3-MoE's sparse layers
+    (``forward(x [T, hidden], fused: bool) -> [T, hidden]``): Qwen3-MoE's and Mixtral's sparse layers
     take the mixture of experts (``worker/models/moe.py``)."""
     if cfg.is_moe_layer(layer):
         return SparseMoeBlock(cfg)

@@ -15,7 +15,7 @@ from worker.models.config import ModelConfig
 from worker.models.fp8 import FP8_DTYPE, quantize_rows, scaled_mm_fits
 from worker.models.linear import UNLIMITED_ROWS, Linear, packed_linear_error
 from worker.models.llama import MLP, LlamaForCausalLM, RMSNorm
-from worker.models.moe import expert_row_ranges, hf_expert_target
+from worker.models.moe import expert_row_ranges, hf_expert_target, hf_moe_name
 from worker.parallel import group as tp_group
 from worker.parallel.layers import ZERO, ShardSpec, TensorParallelLM, shard_spec, tensor_slice
 
@@ -133,6 +133,7 @@ def _read_shard(f: Any, name: str, spec: ShardSpec) -> torch.Tensor | None:
 def _map_name(cfg: ModelConfig, name: str) -> tuple[str | None, tuple[int, int] | None]:
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
         return None, None
+    name = hf_moe_name(name)
     expert = hf_expert_target(cfg, name)
     if expert is not None:
         return expert

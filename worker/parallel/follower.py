@@ -42,7 +42,7 @@ def start_for_engine(source: ModelSource, model: ModelSettings, engine: EngineSe
     if engine.speculative_method == "draft":  # the draft model would be built unsharded on rank 0 only
         raise ValueError("--speculative-method draft is not supported with --tensor-parallel-size (ngram is)")
     device = resolve_device(model.device)
-    return tp_group.start(engine.tensor_parallel_size, device, (source, model, engine), **kwargs)
+    return tp_group.start(engine.tensor_parallel_size, device, follower_main, (source, model, engine), **kwargs)
 
 
 def follower_main(rank: int, world_size: int, port: int, device: torch.device, source: ModelSource,

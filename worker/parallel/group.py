@@ -1,7 +1,7 @@
 """Start and stop a tensor-parallel process group (``--tensor-parallel-size N``).
 
-The worker process is rank 0: it spawns ranks 1..N-1 (``follower.follower_main``, one
-process each, ``torch.multiprocessing``'s spawn context) and all N join one
+The worker process is rank 0: it spawns ranks 1..N-1 (``follower.follower_main``, handed
+to ``start``, one process each, ``torch.multiprocessing``'s spawn context) and all N join one
 ``torch.distributed`` group on a free localhost port: NCCL on CUDA (rank r on GPU r),
 gloo on CPU. The group is process-wide (``current()``): the loader builds this rank's
 shard and the model runner syncs steps through it (``worker/parallel/layers.py``,
@@ -171,18 +171,17 @@ def join(rank: int, world_size: int, port: int, device: torch.device) -> TPGroup
     return _current
 
 
-def start(world_size: int, device: torch.device, follower_args: tuple[Any, ...],
-          on_death: Callable[[], None] = exit_now) -> TPGroup:
-    """Rank 0: spawn ranks 1..``world_size``-1 running ``follower.follower_main(rank,
-    world_size, port, device, *follower_args)``, join the group with them, and watch them
+def start(world_size: int, device: torch.device, follower_main: Callable[..., None],
+          follower_args: tuple[Any, ...], on_death: Callable[[], None] = exit_now) -> TPGroup:
+    """Rank 0: spawn ranks 1..``world_size``-1 running ``follower_main(rank, world_size,
+    port, device, *follower_args)`` (a module-level function: the processes are spawned;
+    ``follower.follower_main`` for the engine), join the group with them, and watch them
     (``on_death`` when one ends unasked; default: exit with ``EXIT_RANK_DIED``).
 
     Raises:
         ValueError: ``world_size`` < 2, or more than the visible GPUs on CUDA.
         RuntimeError: a group already exists in this process.
     """
-    from worker.parallel.follower import follower_main
-
     if world_size < 2:
         raise ValueError(f"tensor parallel size {world_size}: a group needs at least 2 ranks")
     if device.type == "cuda" and world_size > torch.cuda.device_count():
