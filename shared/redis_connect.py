@@ -190,15 +190,21 @@ def connect(url: str, **options: Any) -> AsyncClient:
     return aioredis.Redis.from_pool(pool)
 
 
+def _sentinel_options(target: RedisTarget) -> dict[str, Any]:
+    """Connection options for the Sentinels themselves (not the primary): short timeouts,
+    so a dead Sentinel is skipped fast, and the Sentinels' own credentials."""
+    options: dict[str, Any] = {"socket_connect_timeout": SENTINEL_TIMEOUT_S, "socket_timeout": SENTINEL_TIMEOUT_S,
+                               "ssl": target.ssl}
+    if target.sentinel_password is not None:
+        options["password"] = target.sentinel_password
+    if target.sentinel_username is not None:
+        options["username"] = target.sentinel_username
+    return options
+
+
 def _sentinel_client(target: RedisTarget, redis_class: type[aioredis.Redis], options: dict[str, Any]) -> Any:
     """``redis_class`` (a ``_ClosesSentinels``) on the primary of ``target``'s service."""
-    sentinel_kwargs: dict[str, Any] = {"socket_connect_timeout": SENTINEL_TIMEOUT_S,
-                                       "socket_timeout": SENTINEL_TIMEOUT_S, "ssl": target.ssl}
-    if target.sentinel_password is not None:
-        sentinel_kwargs["password"] = target.sentinel_password
-    if target.sentinel_username is not None:
-        sentinel_kwargs["username"] = target.sentinel_username
-    manager = Sentinel(list(target.nodes), sentinel_kwargs=sentinel_kwargs)
+    manager = Sentinel(list(target.nodes), sentinel_kwargs=_sentinel_options(target))
     connection_class = _tagged(SentinelManagedSSLConnection if target.ssl else SentinelManagedConnection)
     client = manager.master_for(target.service_name, redis_class=redis_class,
                                 connection_pool_class=SentinelConnectionPool, connection_class=connection_class,
@@ -283,13 +289,7 @@ def connect_sync(url: str, **options: Any) -> redis.Redis | redis.RedisCluster:
     if target.kind == "sentinel":
         from redis.sentinel import Sentinel as SyncSentinel
 
-        sentinel_kwargs: dict[str, Any] = {"socket_connect_timeout": SENTINEL_TIMEOUT_S,
-                                           "socket_timeout": SENTINEL_TIMEOUT_S, "ssl": target.ssl}
-        if target.sentinel_password is not None:
-            sentinel_kwargs["password"] = target.sentinel_password
-        if target.sentinel_username is not None:
-            sentinel_kwargs["username"] = target.sentinel_username
-        manager = SyncSentinel(list(target.nodes), sentinel_kwargs=sentinel_kwargs)
+        manager = SyncSentinel(list(target.nodes), sentinel_kwargs=_sentinel_options(target))
         return manager.master_for(target.service_name, db=target.db, username=target.username,
                                   password=target.password, ssl=target.ssl, **options)
     return redis.Redis.from_url(url, **options)
