@@ -24,7 +24,7 @@ In the table, ``{{model}}`` is the model name in braces and every other ``{...}`
 | ``{ns}:{{model}}:doorbell:{worker_id}`` | list: rings for one worker's placed streams | enqueue script (RPUSH) | that worker (BLPOP, beside the model's doorbell) |
 | ``{ns}:{{model}}:placed-tokens`` | hash: worker id -> prefill tokens waiting in its placed streams | enqueue script (HINCRBY), pull script (HINCRBY -) | gateways (placement) |
 | ``{ns}:{{model}}:load`` | hash: worker id -> prompt tokens it holds uncomputed | that worker (HSET in its step pipeline, when changed) | gateways (placement script) |
-| ``{ns}:{{model}}:kv:{worker_id}`` | set of 16-byte block hashes (``shared/block_hashes.py``) one worker's prefix cache holds | that worker (KV events: SADD stored, SREM removed, per step), gateways (SADD a placed prompt's blocks) | gateways (placement script) |
+| ``{ns}:{{model}}:kv:{worker_id}`` | set of 16-byte block hashes (``shared/block_hashes.py``) one worker's prefix cache holds | that worker (KV events: SADD stored, SREM removed, per step; DEL + SADD of its whole cache every ``KV_INDEX_RESYNC_S``), gateways (SADD a placed prompt's blocks) | gateways (placement script) |
 | ``{ns}:gateway:{gateway_id}`` | pub/sub channel | workers (token/error messages) | the gateway that owns the requests |
 | ``{ns}:control`` | pub/sub channel | gateways (aborts) | every worker |
 | ``{ns}:{{model}}:arrivals`` | pub/sub channel: ``<class rank>:<tenant>`` of each request queued in a class above the lowest | enqueue script (PUBLISH) | workers of the model (``worker/engine/arrivals.py``) |

@@ -172,6 +172,20 @@ def test_kv_events_record_stores_evictions_and_clears_netted() -> None:
     assert bm.take_kv_events().cleared
 
 
+def test_a_kv_snapshot_is_the_whole_cache_and_restarts_the_log() -> None:
+    """``take_kv_events(snapshot=True)``: cleared, then every cached hash (free or held),
+    and nothing recorded before it comes again."""
+    bm = BlockManager(num_blocks=8, block_size=2)
+    bm.take_kv_events()
+    a, b = req("a", 5), req("b", 5, start=50)
+    _compute(bm, a)
+    _compute(bm, b)
+    bm.free(a)  # freed blocks keep their hashes: still cached
+    snap = bm.take_kv_events(snapshot=True)
+    assert snap.cleared and set(snap.stored) == {*a.block_hashes, *b.block_hashes}
+    assert not bm.take_kv_events()  # what the log held went out with the snapshot
+
+
 def test_no_kv_events_without_prefix_caching() -> None:
     bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
     bm.take_kv_events()

@@ -159,6 +159,28 @@ async def test_kv_events_reach_the_workers_kv_index_and_evictions_leave_it(clien
     assert await client.hget(keys.worker_load(MODEL), "w1") is None
 
 
+async def test_a_resync_drops_predictions_that_never_came_true(client: aioredis.Redis) -> None:
+    """A gateway predicted a prefix on this worker that it never computed (taken over,
+    aborted): the next resync rewrites the index from the cache, so the prediction goes
+    and the computed blocks stay."""
+    keys = _keys()
+    queue = FairQueue(client, keys, MODEL)
+    index = keys.kv_index(MODEL, "w1")
+    worker = Worker(client, keys, MODEL, "w1", _sim(max_model_len=256, num_kv_blocks=32, max_num_seqs=2),
+                    drain_timeout_s=5.0, kv_resync_s=0.2)
+    prompt = list(range(100, 150))
+    async with _subscribed(client, keys) as pubsub, _running(worker):
+        replies = Replies()
+        await queue.enqueue(queue.stream("default", "t"), [_request(keys, "a", prompt, 2)])
+        await _collect(pubsub, replies, ["a"], 10)
+        await client.sadd(index, b"predicted, never computed")
+        await asyncio.sleep(0.3)  # the resync is due at the next step
+        await queue.enqueue(queue.stream("default", "t"), [_request(keys, "b", list(range(500, 520)), 2)])
+        await _collect(pubsub, replies, ["b"], 10)
+        assert not await client.sismember(index, b"predicted, never computed")
+        assert all(await client.smismember(index, block_hashes(prompt, 16)))  # the truth stays
+
+
 async def test_the_heartbeat_reports_load_sizes_and_prefix_cache_counters(client: aioredis.Redis) -> None:
     backend = _sim(max_model_len=512, max_num_batched_tokens=256, num_kv_blocks=40)
     worker = Worker(client, _keys(), MODEL, "w1", backend)

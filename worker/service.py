@@ -53,6 +53,12 @@ from worker.engine_thread import EngineThread
 from worker.placed import add_kv_events, forget_dead_workers, placed_owners, steal_sources
 from worker.progress import StepClock, StepTrace
 
+#: How often a worker replaces its KV index with its whole prefix cache, seconds
+#: (``Worker._take_kv_events``). The rewrite is one DEL and one SADD in the step's publish
+#: pipeline; it also drops the predictions of prompts placed here and not yet computed,
+#: which then place by load for a moment.
+KV_INDEX_RESYNC_S = 60.0
+
 log = logging.getLogger(__name__)
 
 #: How long an idle worker blocks on the doorbell (BLPOP) before it looks again, ms.
@@ -97,7 +103,8 @@ class Worker:
     def __init__(self, client: AsyncClient, keys: Keys, model: str, worker_id: str,
                  backend: EngineBackend, drain_timeout_s: float = 60.0,
                  engine_thread: EngineThread | None = None, engine_stall_timeout_s: float = 0.0,
-                 max_waiting_prefill_tokens: int = -1, steal_after_ms: int = 2000) -> None:
+                 max_waiting_prefill_tokens: int = -1, steal_after_ms: int = 2000,
+                 kv_resync_s: float = KV_INDEX_RESYNC_S) -> None:
         self.redis = client
         #: Where steps run; pass the thread that built the backend (one OpenMP team).
         self.engine_thread = engine_thread or EngineThread()
@@ -113,6 +120,9 @@ class Worker:
         self._draining = asyncio.Event()
         self._drain_deadline_s = 0.0
         self.drain_timeout_s = drain_timeout_s
+        #: Seconds between two rewrites of the KV index from the whole cache (0: never).
+        self.kv_resync_s = kv_resync_s
+        self._next_kv_resync_s = time.monotonic() + kv_resync_s
         self._started_unix_s = time.time()
         self._next_reap_s = 0.0
         #: Step count and timing for the heartbeat's stall rule (0 s: rule off).
@@ -224,7 +234,7 @@ class Worker:
                     if self.trace is not None:
                         stats = self.backend.stats()
                         self.trace.record(handed_s, len(outputs), stats.num_running, stats.num_waiting)
-                    publishing = asyncio.create_task(self._publish(outputs, self.backend.take_kv_events()))
+                    publishing = asyncio.create_task(self._publish(outputs, self._take_kv_events()))
                 except RedisError as exc:
                     log.warning("redis error in worker loop: %s; retrying", exc)
                     await asyncio.sleep(RECONNECT_DELAY_S)
@@ -401,6 +411,19 @@ class Worker:
                                  status=500, message=f"engine error: {type(exc).__name__}: {exc}")
             await finish_entry(self.redis, info.stream, info.entry_id, error=error, reply_channel=info.reply_channel)
             del self.inflight[request_id]
+
+    def _take_kv_events(self) -> KVEvents:
+        """The backend's KV events since the last step; every ``kv_resync_s`` the whole
+        cache instead (``take_kv_events(snapshot=True)``), which replaces the KV index:
+        gateways add the blocks of prompts they place here before they are computed, and
+        a prediction that never comes true (the request was taken over by another worker,
+        or aborted before its prefill) would otherwise stay in the index, misleading
+        placement and growing Redis, until this worker restarts."""
+        now = time.monotonic()
+        snapshot = self.kv_resync_s > 0 and now >= self._next_kv_resync_s
+        if snapshot:
+            self._next_kv_resync_s = now + self.kv_resync_s
+        return self.backend.take_kv_events(snapshot)
 
     async def _publish(self, new_outputs: list[RequestOutput], kv_events: KVEvents = NO_KV_EVENTS) -> None:
         """One pipeline: the KV events on the KV index (first, so a gateway that reads a

@@ -143,8 +143,9 @@ class EngineBackend(Protocol):
     def stats(self) -> EngineStats:
         """Load snapshot for heartbeats and metrics."""
 
-    def take_kv_events(self) -> KVEvents:
+    def take_kv_events(self, snapshot: bool = False) -> KVEvents:
         """The prefix cache's net changes (blocks stored, evicted; cleared) since the last
-        call (``worker/backends/kv_events.py``). The first call starts the recording and
-        returns none: the worker makes it before the first step. Called from the worker's
-        event loop between steps, never while ``step`` runs."""
+        call (``worker/backends/kv_events.py``); with ``snapshot``, the whole cache
+        instead (cleared, then every cached block stored). The first call starts the
+        recording and returns none: the worker makes it before the first step. Called
+        from the worker's event loop between steps, never while ``step`` runs."""

@@ -304,7 +304,7 @@ class SimBackend:
                            kv_internal_fragmentation=frag.internal_fragmentation,
                            kv_contiguous_waste_ratio=frag.contiguous_waste_ratio)
 
-    def take_kv_events(self) -> KVEvents:
-        """The prefix cache's changes since the last call (``BlockManager.take_kv_events``;
-        the first call starts the recording)."""
-        return self.block_manager.take_kv_events()
+    def take_kv_events(self, snapshot: bool = False) -> KVEvents:
+        """The prefix cache's changes since the last call, or with ``snapshot`` all of it
+        (``BlockManager.take_kv_events``; the first call starts the recording)."""
+        return self.block_manager.take_kv_events(snapshot)

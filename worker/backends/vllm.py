@@ -484,7 +484,7 @@ class VllmBackend:
                            prefix_cache_hits=c.prefix_cache_hits,
                            num_waiting_prefill_tokens=self._num_waiting_prefill_tokens())
 
-    def take_kv_events(self) -> KVEvents:
+    def take_kv_events(self, snapshot: bool = False) -> KVEvents:
         """None: vLLM's events name blocks by its own hash (module docstring)."""
         return NO_KV_EVENTS
 

@@ -328,11 +328,16 @@ class BlockManager:
             self._kv_events.clear()
 
     # -- KV events -----------------------------------------------------------------
-    def take_kv_events(self) -> KVEvents:
+    def take_kv_events(self, snapshot: bool = False) -> KVEvents:
         """The prefix cache's net changes since the last call (module docstring); the
         first call starts the recording and returns none. Never any with prefix caching
-        off."""
+        off. ``snapshot``: instead, the whole cache as it is (``cleared`` and every cached
+        hash ``stored``), so a KV index that drifted (a gateway's prediction that never
+        came true) is replaced by the truth."""
         if self._kv_events is None:
             self._kv_events = KVEventLog()
             return NO_KV_EVENTS
+        if snapshot:
+            self._kv_events.take()
+            return KVEvents(stored=tuple(self._cached), cleared=True)
         return self._kv_events.take()
