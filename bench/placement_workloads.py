@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from bench.loadgen.client import MAX_ERROR_CHARS, RequestOutput, chunk_content, sse_chunks
+from bench.loadgen.client import RequestOutput, send_request
 from bench.loadgen.metrics import compute_metrics
 
 #: Prompt token ids are drawn from this range (as ``bench.loadgen``'s random dataset).
@@ -165,53 +165,23 @@ def request_body(model: str, prompt: list[int], max_tokens: int) -> dict[str, An
 
 async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str, Any],
                             headers: dict[str, str]) -> Completion:
-    """POST ``body`` to ``url`` and read its SSE stream (timing as ``bench.loadgen.client``:
-    TTFT to the first content chunk, one ITL per later one). Never raises: failures land
-    in ``output.error``."""
-    done = Completion(RequestOutput(prompt_len=len(body["prompt"])))
-    out = done.output
+    """POST ``body`` to ``url`` and read its SSE stream (``bench.loadgen.client.send_request``:
+    TTFT to the first content chunk, one ITL per later one), keeping the prompt tokens the
+    usage reports and the token ids the server streams. Never raises: failures land in
+    ``output.error``."""
     ids: list[int] = []
-    texts: list[str] = []
-    num_chunks = 0
-    usage_tokens = 0
-    out.start_s = last_s = time.perf_counter()
-    try:
-        async with client.stream("POST", url, json=body, headers=headers) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                out.error = f"HTTP {response.status_code}: {text[:MAX_ERROR_CHARS]}"
-                return done
-            async for chunk in sse_chunks(response):
-                if "error" in chunk:
-                    out.error = f"stream error: {str(chunk['error'])[:MAX_ERROR_CHARS]}"
-                    return done
-                if usage := chunk.get("usage"):
-                    usage_tokens = usage.get("completion_tokens") or 0
-                    done.num_prompt_tokens = usage.get("prompt_tokens") or 0
-                for choice in chunk.get("choices") or ():
-                    ids += choice.get("token_ids") or ()
-                if text := chunk_content(chunk):
-                    texts.append(text)
-                    now_s = time.perf_counter()
-                    if num_chunks == 0:
-                        out.ttft_s = now_s - out.start_s
-                    else:
-                        out.itls_s.append(now_s - last_s)
-                    last_s = now_s
-                    num_chunks += 1
-    except Exception as exc:  # noqa: BLE001 - network errors, timeouts: record them, keep the run going
-        out.error = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
-        return done
-    if num_chunks == 0 and not usage_tokens:
-        out.error = "stream ended without any content"
-        return done
-    out.latency_s = last_s - out.start_s
-    out.generated_text = "".join(texts)
-    out.output_tokens = usage_tokens or num_chunks
-    out.success = True
-    if ids:
-        done.token_ids = ids
-    return done
+    num_prompt_tokens = 0
+
+    def on_chunk(chunk: dict[str, Any]) -> None:
+        nonlocal num_prompt_tokens
+        if usage := chunk.get("usage"):
+            num_prompt_tokens = usage.get("prompt_tokens") or 0
+        for choice in chunk.get("choices") or ():
+            ids.extend(choice.get("token_ids") or ())
+
+    out = await send_request(client, url, body, len(body["prompt"]), headers, on_chunk=on_chunk,
+                             usage_is_content=True)
+    return Completion(out, num_prompt_tokens, ids if out.success and ids else None)
 
 
 async def send_all(client: httpx.AsyncClient, urls: Sequence[str], model: str, requests: Sequence[Sent],

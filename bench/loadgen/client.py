@@ -11,7 +11,7 @@ per token. E2EL ends at the last content chunk. The output token count comes fro
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,9 +84,15 @@ async def sse_chunks(response: Any) -> AsyncIterator[dict[str, Any]]:
 
 
 async def send_request(
-    client: httpx.AsyncClient, url: str, payload: dict[str, Any], prompt_len: int, headers: dict[str, str]
+    client: httpx.AsyncClient, url: str, payload: dict[str, Any], prompt_len: int, headers: dict[str, str],
+    on_chunk: Callable[[dict[str, Any]], None] | None = None, usage_is_content: bool = False,
 ) -> RequestOutput:
-    """POST ``payload`` to ``url``, read the SSE stream, and time it. Never raises: errors land in ``error``."""
+    """POST ``payload`` to ``url``, read the SSE stream, and time it. Never raises: errors land in ``error``.
+
+    ``on_chunk``: also called with every decoded chunk (what a caller reads beyond the
+    timing, e.g. token ids). ``usage_is_content``: a stream whose usage reports output
+    tokens counts as answered even without a content chunk (ids that decode to no text).
+    """
     out = RequestOutput(prompt_len=prompt_len)
     num_content_chunks = 0
     usage_tokens: int | None = None
@@ -105,6 +111,8 @@ async def send_request(
                     return out
                 if usage := chunk.get("usage"):
                     usage_tokens = usage.get("completion_tokens")
+                if on_chunk is not None:
+                    on_chunk(chunk)
                 if text := chunk_content(chunk):
                     now_s = time.perf_counter()
                     if num_content_chunks == 0:
@@ -118,7 +126,7 @@ async def send_request(
         out.error = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
         return out
     out.generated_text = "".join(texts)
-    if num_content_chunks == 0:
+    if num_content_chunks == 0 and not (usage_is_content and usage_tokens):
         out.error = "stream ended without any content chunk"
         return out
     out.latency_s = last_s - out.start_s
