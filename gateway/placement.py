@@ -56,7 +56,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from starlette.requests import Request
 
-from shared.block_hashes import HASH_BYTES, sampled_block_hashes
+from shared.block_hashes import HASH_BYTES, sampled_block_hashes, sampled_prefix_lengths
 from shared.fair_queue import Placement
 from shared.keys import HEARTBEAT_INTERVAL_S, Keys
 from shared.liveness import ready_workers
@@ -77,8 +77,8 @@ DispatchPolicy = Literal["cache_aware", "load", "random"]
 UNCACHED_WEIGHT = 2
 
 #: Placement looks a prompt up every ``PLACEMENT_TOKENS`` tokens (every
-#: ``placement_stride(block_size)``-th block hash): the cached overlap it sees is exact
-#: to that many tokens, and hashing a 4,000-token prompt costs one BLAKE2b pass plus 31
+#: ``placement_stride(block_size)``-th block hash), then block by block after the last
+#: of those: the cached overlap it sees is exact to that many tokens, and hashing a 4,000-token prompt costs one BLAKE2b pass plus 31
 #: finalizations instead of 250 (bench/placement_cost.py). Every gateway must use the
 #: same figure, since one gateway's predictions are what another looks up.
 PLACEMENT_TOKENS = 128
@@ -140,16 +140,16 @@ return 0
 
 @dataclass(slots=True)
 class PlacementQuery:
-    """One request to place: the hashes of every ``tokens_per_hash // block_size``-th
-    block of its prompt (``shared.block_hashes.sampled_block_hashes``; only the blocks a
-    worker's lookup may take: at most ``num_prompt_tokens - 1`` tokens), its prompt
-    length (tokens) and its session id ("" none). ``hashes[k]`` names the prompt's first
-    ``(k + 1) * tokens_per_hash`` tokens."""
+    """One request to place: the hashes of every ``placement_stride``-th block of its
+    prompt and of each full block after the last of those (``sampled_block_hashes``;
+    only the blocks a worker's lookup may take: at most ``num_prompt_tokens - 1``
+    tokens), its prompt length (tokens) and its session id ("" none). ``hashes[k]``
+    names the prompt's first ``prefix_lengths[k]`` tokens."""
 
     hashes: list[bytes]
     num_prompt_tokens: int
     session: str = ""
-    tokens_per_hash: int = 0
+    prefix_lengths: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,18 +326,23 @@ class Placer:
         """The placement query of a prompt, or None when nothing can be placed (no ready
         worker, or workers that disagree on the block size): the request then goes to
         the shared stream. Hashes only under ``cache_aware`` (the other policies need no
-        overlap), and only every ``placement_stride(block_size)``-th block: CPU cost one
-        pass of BLAKE2b over the prompt plus one finalization per ``PLACEMENT_TOKENS``."""
+        overlap), and only every ``placement_stride(block_size)``-th block and the few
+        full ones after the last of those: CPU cost one pass of BLAKE2b over the prompt plus one finalization per
+        ``PLACEMENT_TOKENS``."""
         block_size = self.view.block_size
         if block_size is None:
             return None
-        hashes = []
+        if self.policy != "cache_aware":
+            return PlacementQuery([], len(prompt_token_ids), session)
         stride = placement_stride(block_size)
-        if self.policy == "cache_aware":
-            # A worker's lookup takes at most num_tokens - 1 tokens (one is computed for logits).
-            usable = prompt_token_ids[:len(prompt_token_ids) - 1]
-            hashes = sampled_block_hashes(usable, block_size, stride)
-        return PlacementQuery(hashes, len(prompt_token_ids), session, stride * block_size)
+        # A worker's lookup takes at most num_tokens - 1 tokens (one is computed for logits).
+        # Every block after the last sampled one too: a prompt shorter than
+        # PLACEMENT_TOKENS (a chat's second turn) is looked up block by block, and the
+        # overlap of a long one is exact to a block once its sampled hashes all hit.
+        usable = prompt_token_ids[:len(prompt_token_ids) - 1]
+        return PlacementQuery(sampled_block_hashes(usable, block_size, stride, with_tail=True),
+                              len(prompt_token_ids), session,
+                              sampled_prefix_lengths(len(usable), block_size, stride, with_tail=True))
 
     async def place(self, queries: Sequence[PlacementQuery | None]) -> list[tuple[PlacementDecision | None,
                                                                                     list[bytes]]]:
@@ -388,7 +393,7 @@ class Placer:
                     overlap = max(overlap, _overlap(q.hashes, predicted_here[wid]))
                 shared = shared_base[j] + placed_here[wid]
                 queued = shared if fresh[j] else shared_base[j] + self._recent(w)
-                candidates.append(Candidate(wid, min(overlap * q.tokens_per_hash, q.num_prompt_tokens - 1), queued,
+                candidates.append(Candidate(wid, q.prefix_lengths[overlap - 1] if overlap else 0, queued,
                                             limits[j], w.num_running, shared))
             decision = choose(self.policy, q.num_prompt_tokens, candidates, q.session, self._rng,
                               prefix_key=q.hashes[0].hex() if q.hashes else "", margin_tokens=margin)

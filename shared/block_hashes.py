@@ -11,7 +11,7 @@ hash on its parent's). One BLAKE2b state runs along the sequence (``BlockHasher`
 block's hash is a copy of that state, finalized, so hashing costs one pass over the
 token bytes plus one finalization per block, and a reader may take the hash of any
 block without those before it (``sampled_block_hashes``: what placement does, every
-``stride``-th block).
+``stride``-th block and every block after the last of those).
 
 BLAKE2b and 128 bits: a collision would serve one prompt another prompt's KV (possibly
 another tenant's), so the hash must resist chosen inputs (vLLM moved its prefix cache
@@ -115,10 +115,13 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
     return hasher.extend(token_ids, len(token_ids) // block_size)
 
 
-def sampled_block_hashes(token_ids: Sequence[int], block_size: int, stride: int) -> list[bytes]:
+def sampled_block_hashes(token_ids: Sequence[int], block_size: int, stride: int,
+                         with_tail: bool = False) -> list[bytes]:
     """The hashes of blocks ``stride - 1, 2 * stride - 1, ...`` among the full blocks of
     ``token_ids``: ``block_hashes(token_ids, block_size)[stride - 1::stride]``, at one
-    finalization per ``stride`` blocks.
+    finalization per ``stride`` blocks; with ``with_tail``, then also the hash of every
+    full block after the last of those (fewer than ``stride``: all of a prompt shorter
+    than one stride). ``sampled_prefix_lengths`` gives the tokens each hash names.
 
     Raises:
         ValueError: ``block_size`` or ``stride`` not positive.
@@ -126,12 +129,25 @@ def sampled_block_hashes(token_ids: Sequence[int], block_size: int, stride: int)
     if stride <= 0:
         raise ValueError(f"stride must be positive, got {stride}")
     state = _start(block_size)
-    step = 4 * block_size * stride
-    num_tokens = len(token_ids) // (block_size * stride) * block_size * stride
+    sampled = len(token_ids) // (block_size * stride) * block_size * stride
+    num_tokens = len(token_ids) // block_size * block_size if with_tail else sampled
     data = memoryview(token_bytes(token_ids[:num_tokens]))
     update, copy = state.update, state.copy
     out = []
-    for offset in range(0, len(data), step):
-        update(data[offset:offset + step])
-        out.append(copy().digest())
+    for start, end, step in ((0, 4 * sampled, 4 * block_size * stride), (4 * sampled, len(data), 4 * block_size)):
+        for offset in range(start, end, step):
+            update(data[offset:offset + step])
+            out.append(copy().digest())
     return out
+
+
+def sampled_prefix_lengths(num_tokens: int, block_size: int, stride: int, with_tail: bool = False) -> list[int]:
+    """The prefix length, in tokens, that each hash of ``sampled_block_hashes`` over
+    ``num_tokens`` tokens names (same arguments): ``stride * block_size`` apart, then
+    (``with_tail``) one block apart."""
+    num_blocks = num_tokens // block_size
+    num_sampled = num_blocks // stride * stride
+    lengths = [(k + 1) * stride * block_size for k in range(num_blocks // stride)]
+    if with_tail:
+        lengths.extend((b + 1) * block_size for b in range(num_sampled, num_blocks))
+    return lengths

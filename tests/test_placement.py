@@ -17,7 +17,14 @@ import redis.asyncio as aioredis
 from gateway.admission import Enqueuer
 from gateway.placement import PLACEMENT_TOKENS, Candidate, Placer, choose, placement_stride, rendezvous
 from shared import protocol
-from shared.block_hashes import HASH_BYTES, BlockHasher, block_hashes, prefix_hash, sampled_block_hashes
+from shared.block_hashes import (
+    HASH_BYTES,
+    BlockHasher,
+    block_hashes,
+    prefix_hash,
+    sampled_block_hashes,
+    sampled_prefix_lengths,
+)
 from shared.fair_queue import FairQueue, Placement, StealFrom
 from shared.keys import HEARTBEAT_TTL_S, STREAM_FIELD, Keys
 from shared.protocol import GenerateRequest, WorkerStatus
@@ -73,6 +80,12 @@ def test_sampled_hashes_are_the_workers_block_hashes_at_every_stride() -> None:
     every = block_hashes(tokens, BLOCK)
     for stride in (1, 2, 8, 37, 40):
         assert sampled_block_hashes(tokens, BLOCK, stride) == every[stride - 1::stride]
+        # With the tail: every block after the last sampled one (of the 37 full blocks).
+        tail = list(range(37 // stride * stride, 37))
+        assert sampled_block_hashes(tokens, BLOCK, stride, with_tail=True) == (
+            every[stride - 1::stride] + [every[b] for b in tail])
+        lengths = sampled_prefix_lengths(len(tokens), BLOCK, stride, with_tail=True)
+        assert lengths == [(k + 1) * stride * BLOCK for k in range(37 // stride)] + [(b + 1) * BLOCK for b in tail]
     with pytest.raises(ValueError):
         sampled_block_hashes(tokens, BLOCK, 0)
 
@@ -158,7 +171,7 @@ async def test_the_read_script_finds_each_workers_overlap_and_queue(client: aior
     placer = Placer(client, keys, MODEL, "cache_aware", 8.0)
     await placer.refresh()
     query = placer.query(prompt)
-    assert query is not None and query.hashes == every[stride - 1::stride] and query.tokens_per_hash == step
+    assert query is not None and query.hashes == every[stride - 1::stride] and query.prefix_lengths == [(k + 1) * step for k in range(10)]
     [(decision, predicted)] = await placer.place([query])
     assert decision is not None and decision.placement == Placement("w1", len(prompt) - 6 * step)
     assert decision.num_cached_tokens == 6 * step and predicted == query.hashes
@@ -172,6 +185,27 @@ async def test_the_read_script_finds_each_workers_overlap_and_queue(client: aior
         placer.add_predictions(pipe, [("w2", predicted)])
         await pipe.execute()
     assert await client.sismember(keys.kv_index(MODEL, "w2"), query.hashes[2])
+
+
+async def test_a_prompt_shorter_than_one_lookup_step_finds_its_cached_prefix(client: aioredis.Redis) -> None:
+    """A chat's second turn (history plus a question, under ``PLACEMENT_TOKENS``) is
+    looked up block by block, so it goes where its first turn is cached, not
+    wherever load sends it."""
+    keys = _keys()
+    for w in ("w1", "w2"):
+        await _heartbeat(client, keys, w)
+    first_turn = list(range(1, 4 * BLOCK + 1))
+    follow_up = [*first_turn, *range(500, 500 + BLOCK + 5)]  # 5 full blocks + 4 of the lookup's 85
+    assert len(follow_up) < PLACEMENT_TOKENS
+    await client.sadd(keys.kv_index(MODEL, "w2"), *block_hashes(first_turn, BLOCK))
+    await client.hset(keys.placed_tokens(MODEL), "w2", 40)  # w2 a little busier: load alone picks w1
+    placer = Placer(client, keys, MODEL, "cache_aware", 8.0)
+    await placer.refresh()
+    query = placer.query(follow_up)
+    assert query is not None and query.prefix_lengths == [BLOCK, 2 * BLOCK, 3 * BLOCK, 4 * BLOCK, 5 * BLOCK]
+    [(decision, _)] = await placer.place([query])
+    assert decision is not None and decision.reason == "cache" and decision.num_cached_tokens == 4 * BLOCK
+    assert decision.placement == Placement("w2", len(follow_up) - 4 * BLOCK)
 
 
 async def test_no_placement_without_agreeing_workers(client: aioredis.Redis) -> None:
