@@ -126,6 +126,10 @@ class EngineSettings:
     prefill_tokens_per_decode: int = field(default=8, metadata=_doc(
         "With CUDA graphs, in a step that carries decodes: most prefill tokens per decoding sequence "
         "(at least 512; 0: no cap), which bounds the inter-token latency a long prompt adds"))
+    itl_target_ms: float = field(default=0.0, metadata=_doc(
+        "Inter-token-latency target, ms: a step that carries decodes takes as many prefill tokens as the "
+        "engine's learned step-cost model says fit in this time (up to max_num_batched_tokens; at least 128); "
+        "replaces prefill_tokens_per_decode once the model has seen a few steps (0: off)"))
     mixed_cuda_graphs: bool = field(default=True, metadata=_doc(
         "With CUDA graphs, also capture steps that carry prefill chunks (one graph per token-count bucket)"))
     graph_pieces: int = field(default=4, metadata=_doc(
@@ -179,6 +183,7 @@ class EngineSettings:
         _require_one_of(self, "attention_backend", ("auto", "torch", "cpu", "triton"))
         _require_one_of(self, "kv_cache_dtype", ("auto", "fp8"))
         _require_at_least(self, "sim_step_time_ms", 0.0)
+        _require_at_least(self, "itl_target_ms", 0.0)
         _require_at_least(self, "sim_prefill_ms_per_token", 0.0)
 
 

@@ -98,6 +98,18 @@ def test_preemption_and_chunked_prefill_equal_hf(prompts, hf_outputs) -> None:
     assert llm.engine.stats().kv_usage == 0.0
 
 
+def test_an_itl_target_keeps_the_tokens_and_learns_the_step_cost(prompts, hf_outputs) -> None:
+    """``itl_target_ms`` changes only how prompts are chunked beside decodes: the tokens
+    stay Hugging Face's. The engine feeds its step cost model every step while busy."""
+    from worker.engine.step_cost import MIN_OBSERVATIONS
+
+    llm = LLM(block_size=16, max_num_batched_tokens=64, itl_target_ms=0.001)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == hf_outputs
+    assert llm.engine.step_cost.num_observations >= MIN_OBSERVATIONS
+    assert llm.engine.scheduler.itl_target_s == pytest.approx(1e-6)
+
+
 def test_chat_answer_names_paris(smollm_tokenizer, offline) -> None:
     llm = offline
     chat = smollm_tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],

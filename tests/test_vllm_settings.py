@@ -49,3 +49,11 @@ def test_quantization_kv_dtype_and_speculation_map_to_vllms(smollm_source) -> No
     fields = {f.name for f in dataclasses.fields(SpeculativeConfig)}
     for config in (ngram.speculative_config, spec):
         assert set(config) <= fields and config["method"] in get_args(SpeculativeMethod)
+
+
+def test_an_itl_target_is_refused_with_the_vllm_backend(smollm_source) -> None:
+    """vLLM's scheduler takes a fixed token budget: a target would be silently ignored."""
+    from worker.backends.vllm import engine_args
+
+    with pytest.raises(ValueError, match="itl-target-ms"):
+        engine_args(smollm_source, ModelSettings(), EngineSettings(itl_target_ms=30.0), on_cpu=True)

@@ -189,12 +189,16 @@ def engine_args(source: ModelSource, model: ModelSettings, engine: EngineSetting
 
     Raises:
         ValueError: ``source`` has no Hugging Face folder (vLLM reads config and
-            tokenizer from one; a named dummy config without a folder cannot run here).
+            tokenizer from one; a named dummy config without a folder cannot run here),
+            or ``itl_target_ms`` is set (vLLM's scheduler has no such target).
     """
     from vllm import EngineArgs
 
     if source.path is None:
         raise ValueError(f"the vllm backend needs a Hugging Face folder; {source.name!r} has none")
+    if engine.itl_target_ms > 0:
+        raise ValueError("the vllm backend has no inter-token-latency target (--itl-target-ms): vLLM takes a fixed "
+                         "--max-num-batched-tokens per step")
     load_format = "dummy" if source.dummy else "auto"
     return EngineArgs(
         model=str(source.path), served_model_name=source.name, load_format=load_format,

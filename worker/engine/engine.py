@@ -26,6 +26,7 @@ from worker.engine.model_runner import ModelRunner, StepLaunch, decode_inputs, k
 from worker.engine.request import GRAMMAR_FAILED, Request
 from worker.engine.scheduler import Scheduler
 from worker.engine.spec_decode import NgramProposer, Proposer, SpecStats
+from worker.engine.step_cost import StepCostModel, StepFeatures, step_features
 from worker.engine.step_types import SchedulerOutput
 from worker.models.config import ModelConfig
 from worker.models.fp8 import resolve_quantization
@@ -37,6 +38,10 @@ from worker.structured.tokenizer import build_tokenizer
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: Longest pause between one ``step`` returning and the next being called that still
+#: counts the interval as a step's time for the step cost model, seconds: the worker's
+#: pull and publish between steps take about a millisecond; a longer pause is idleness.
+MAX_STEP_GAP_S = 0.05
 
 
 def resolve_device(name: str) -> torch.device:
@@ -132,13 +137,21 @@ class LLMEngine:
         if self.max_model_len > num_blocks * self.engine_settings.block_size:
             log.warning("--max-model-len %d is more than the KV cache holds (%d tokens): longer requests "
                         "get a 400", self.max_model_len, num_blocks * self.engine_settings.block_size)
+        #: The step-time model behind ``itl_target_ms`` (``worker/engine/step_cost.py``):
+        #: fed each step's time while the engine stays busy (``step``), only when a
+        #: target is set (the features cost a pass over the batch).
+        self.step_cost = StepCostModel()
+        self._step_features: StepFeatures | None = None  # of the step ``_apply`` applied last
+        self._last_step_end_s: float | None = None
         self.scheduler = Scheduler(BlockManager(num_blocks, self.engine_settings.block_size,
                                                 self.engine_settings.enable_prefix_caching,
                                                 self.model_config.uniform_sliding_window),
                                    self.engine_settings.max_num_seqs, self.engine_settings.max_num_batched_tokens,
                                    # On CPU a step's time is mostly per token, so a cap would only
                                    # slow prefills down: it bounds mixed steps against graph replays.
-                                   self.engine_settings.prefill_tokens_per_decode if self.runner.graphs else 0)
+                                   self.engine_settings.prefill_tokens_per_decode if self.runner.graphs else 0,
+                                   # A target is asked for: it applies on any device.
+                                   self.engine_settings.itl_target_ms / 1e3, self.step_cost)
         self.eos_token_ids = eos_token_ids(source.config)
         # Speculative decoding (worker/engine/spec_decode.py, draft_proposer.py); None: off.
         self.proposer: Proposer | None = None
@@ -259,6 +272,23 @@ class LLMEngine:
 
     # -- the loop ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Run one forward pass; return the new tokens of every request that got one
+        (``_step``). With ``itl_target_ms``, the time from the previous step's return to
+        this one's is the step's time as a decoding stream sees it, and goes into
+        ``step_cost`` when the caller came back within ``MAX_STEP_GAP_S`` (the engine
+        stayed busy; an idle engine's gap is no step's cost)."""
+        called_s = time.perf_counter()
+        outputs = self._step()
+        if self.engine_settings.itl_target_ms <= 0:
+            return outputs
+        end_s = time.perf_counter()
+        features, self._step_features = self._step_features, None
+        last, self._last_step_end_s = self._last_step_end_s, end_s if features is not None else None
+        if features is not None and last is not None and called_s - last <= MAX_STEP_GAP_S:
+            self.step_cost.observe(features, end_s - last)
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         """Run one forward pass; return the new tokens of every request that got one.
 
         With async scheduling (CUDA graphs, ``async_scheduling``), step N + 1 is
@@ -323,6 +353,8 @@ class LLMEngine:
         """Apply a step's sampled tokens (and, per scheduled item, its token's logprobs
         or None, and the prompt logprobs its chunk scored or None) and return the
         outputs; a request's prompt logprobs go out, all of them, with its first token."""
+        if self.engine_settings.itl_target_ms > 0:
+            self._step_features = step_features(out.scheduled)
         asked = {item.request.request_id: lp for item, lp in zip(out.scheduled, logprobs or ()) if lp is not None}
         for item, entries in zip(out.scheduled, prompt_logprobs or ()):
             if entries is not None and item.request.prompt_logprobs is not None:

@@ -45,6 +45,7 @@ from worker.backends.base import EngineStats
 from worker.engine.block_manager import BlockManager
 from worker.engine.fair_share import blocked_tenants, claim_victim
 from worker.engine.request import Request, RequestStatus
+from worker.engine.step_cost import StepCostModel, StepFeatures
 from worker.engine.step_types import ScheduledRequest, SchedulerOutput, StepResult
 
 #: The prefill cap's floor (``Scheduler._prefill_budget``), tokens: a step of this many
@@ -52,6 +53,10 @@ from worker.engine.step_types import ScheduledRequest, SchedulerOutput, StepResu
 #: H100 at 512-token prompts), so a smaller cap would only add steps while few sequences
 #: decode (a start-up ramp), each reading every weight once more.
 MIN_PREFILL_TOKENS = 512
+#: The prefill cap's floor under an inter-token-latency target, tokens: when the decodes
+#: alone take the target (more streams than it allows), prompts still advance by this
+#: much a step, one matmul tile of 128 rows, so new requests are never starved.
+MIN_TARGET_PREFILL_TOKENS = 128
 #: Most consecutive steps in which running requests of a lower class pause for a higher
 #: class's prefill (``Scheduler._priority_floor``); the step after them carries every
 #: running request, so a lower class is slowed, never starved. A new request's prompt
@@ -64,14 +69,26 @@ class Scheduler:
     """Decides each step's batch; owns the block manager and the request queues."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefill_tokens_per_decode: int = 0) -> None:
+                 prefill_tokens_per_decode: int = 0, itl_target_s: float = 0.0,
+                 step_cost: StepCostModel | None = None) -> None:
         """``prefill_tokens_per_decode``: in a step that carries decodes, the prefill chunks
         (new admissions and unfinished prefills) get at most this many tokens per decoding
-        sequence, and at least one block (0: no cap; ``EngineSettings``)."""
+        sequence, and at least ``MIN_PREFILL_TOKENS`` (0: no cap; ``EngineSettings``).
+        ``itl_target_s`` (> 0): instead, as many as ``step_cost`` (the engine's
+        ``StepCostModel``, fed by its steps) says fit in that step time beside the decodes,
+        once it is ``ready`` (``_prefill_budget``).
+
+        Raises:
+            ValueError: ``itl_target_s`` > 0 without ``step_cost``.
+        """
+        if itl_target_s > 0 and step_cost is None:
+            raise ValueError("an inter-token-latency target needs a step cost model")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_tokens_per_decode = prefill_tokens_per_decode
+        self.itl_target_s = itl_target_s
+        self.step_cost = step_cost
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -279,24 +296,34 @@ class Scheduler:
         return float("inf")
 
     def _prefill_budget(self, floor: float = float("inf")) -> int:
-        """Most prefill tokens this step may carry: ``prefill_tokens_per_decode`` per
-        running request of class ``floor`` or above that decodes (one new token), and at
-        least ``MIN_PREFILL_TOKENS``;
-        unbounded with no decode or no cap. A mixed step then takes a bounded multiple of
-        a decode step's time, so decoding sequences see no inter-token spike when a long
-        prompt arrives (Sarathi-Serve's stall-free batching, Agrawal et al., OSDI 2024,
-        sizes chunks for a latency target the same way). Looking ahead, a request whose
-        token in flight is its last (``Request.ends_in_flight``) decodes no more. Counted
-        as decodes, 8 prompts finishing in flight capped the next step's prefill at
-        ``MIN_PREFILL_TOKENS``, and an offline prefill of 16 prompts of 512 tokens took 9
-        steps instead of 2 on the H100."""
+        """Most prefill tokens this step may carry beside the decodes of the running
+        requests of class ``floor`` or above; ``max_num_batched_tokens`` with no decode.
+        A mixed step then takes a bounded time, so decoding sequences see no inter-token
+        spike when a long prompt arrives (Sarathi-Serve's stall-free batching, Agrawal et
+        al., OSDI 2024). Looking ahead, a request whose token in flight is its last
+        (``Request.ends_in_flight``) decodes no more. Counted as decodes, 8 prompts
+        finishing in flight capped the next step's prefill at ``MIN_PREFILL_TOKENS``, and
+        an offline prefill of 16 prompts of 512 tokens took 9 steps instead of 2 on the H100.
+
+        With an inter-token-latency target (``itl_target_s``) and a ``ready`` step cost
+        model: the tokens that fit in that step time beside these decodes and the context
+        the next prefill chunk attends to (``StepCostModel.prefill_budget``), at least
+        ``MIN_TARGET_PREFILL_TOKENS``: few decodes leave room for long chunks, many
+        leave short ones. Otherwise ``prefill_tokens_per_decode`` per decode (0: no
+        cap), at least ``MIN_PREFILL_TOKENS``."""
+        decoding = [r for r in self.running
+                    if r.num_uncomputed_tokens == 1 and r.priority <= floor and not r.ends_in_flight]
+        if not decoding:
+            return self.max_num_batched_tokens
+        if self.itl_target_s > 0 and self.step_cost is not None and self.step_cost.ready:
+            decodes = StepFeatures(len(decoding), len(decoding), sum(r.num_computed_tokens for r in decoding))
+            context = next((r.num_computed_tokens for r in self.running
+                            if r.num_uncomputed_tokens > 1 and r.priority <= floor), 0)
+            budget = self.step_cost.prefill_budget(self.itl_target_s, decodes, context)
+            return min(self.max_num_batched_tokens, max(MIN_TARGET_PREFILL_TOKENS, budget))
         if self.prefill_tokens_per_decode <= 0:
             return self.max_num_batched_tokens
-        num_decodes = sum(r.num_uncomputed_tokens == 1 and r.priority <= floor and not r.ends_in_flight
-                          for r in self.running)
-        if num_decodes == 0:
-            return self.max_num_batched_tokens
-        return max(MIN_PREFILL_TOKENS, self.prefill_tokens_per_decode * num_decodes)
+        return max(MIN_PREFILL_TOKENS, self.prefill_tokens_per_decode * len(decoding))
 
     def update(self, out: SchedulerOutput, sampled: Sequence[int | list[int] | None]
                ) -> tuple[list[StepResult], list[Request]]:
