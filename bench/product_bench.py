@@ -212,23 +212,25 @@ def serve_argv(args: argparse.Namespace, model_dir: Path, max_num_seqs: int, por
     return argv + (["--gateway-workers", str(args.gateway_workers)] if args.gateway_workers else [])
 
 
-def wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path, timeout_s: float) -> None:
-    """Wait until ``GET url/ready`` answers 200 (a worker is ready; gateway/readiness.py).
+def wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path, timeout_s: float, path: str = "/ready",
+               name: str = "inferq serve") -> None:
+    """Wait until ``GET url/ready`` (or ``path``) answers 200 (a worker is ready;
+    gateway/readiness.py). ``name`` names the server in errors.
 
     Raises:
-        RuntimeError: serve exited (with its log's end) or ``timeout_s`` seconds passed.
+        RuntimeError: the server exited (with its log's end) or ``timeout_s`` seconds passed.
     """
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"inferq serve exited {proc.returncode}: {tail(log)}")
+            raise RuntimeError(f"{name} exited {proc.returncode}: {tail(log)}")
         try:
-            if httpx.get(f"{url}/ready", timeout=2, trust_env=False).status_code == 200:
+            if httpx.get(f"{url}{path}", timeout=2, trust_env=False).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    raise RuntimeError(f"inferq serve not ready after {timeout_s:.0f} s: {tail(log)}")
+    raise RuntimeError(f"{name} not ready after {timeout_s:.0f} s: {tail(log)}")
 
 
 def process_roles(serve_pid: int) -> dict[int, str]:

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import httpx
@@ -68,21 +68,29 @@ def progress_bar(enabled: bool, total: int) -> Iterator[Any]:
 
 
 async def drive(cfg: BenchConfig, requests: list[SampleRequest], model: str | None = None,
-                on_request_done: Callable[[], None] | None = None) -> tuple[str, list[RequestOutput], float, float]:
+                on_request_done: Callable[[], None] | None = None,
+                offsets_s: Sequence[float] | None = None) -> tuple[str, list[RequestOutput], float, float]:
     """Send ``requests`` to ``cfg.urls`` (round-robin) on the arrival schedule, at most
-    ``cfg.max_concurrency`` at once, and collect what each measured.
+    ``cfg.max_concurrency`` at once, and collect what each measured. ``offsets_s``: each
+    request's send time in seconds after the start, non-decreasing, in place of the
+    schedule of ``cfg.request_rate_per_s`` (a workload that starts one group of streams
+    before another).
 
     Returns ``(model, outputs, start_s, end_s)``; the times are ``time.perf_counter`` (on
     Linux the system-wide monotonic clock, so times of several client processes compare).
-    Raises ``httpx.HTTPError``/``RuntimeError`` only when ``model`` is None and the model
-    list cannot be read; request failures are recorded per request.
+    Raises ``ValueError`` for ``offsets_s`` of another length or out of order, and
+    ``httpx.HTTPError``/``RuntimeError`` only when ``model`` is None and the model list
+    cannot be read; request failures are recorded per request.
     """
+    if offsets_s is None:
+        offsets_s = arrival_offsets_s(len(requests), cfg.request_rate_per_s, cfg.burstiness, cfg.seed).tolist()
+    if len(offsets_s) != len(requests) or any(b < a for a, b in itertools.pairwise(offsets_s)):
+        raise ValueError("offsets_s needs one non-decreasing send time per request")
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     # trust_env=False: an HTTP(S)_PROXY meant for the internet must not sit between us and the server.
     limits = httpx.Limits(max_connections=cfg.max_concurrency, max_keepalive_connections=cfg.max_concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s), limits=limits, trust_env=False) as client:
         model = model or cfg.model or await first_model_id(client, cfg.base_url, headers)
-        offsets_s = arrival_offsets_s(len(requests), cfg.request_rate_per_s, cfg.burstiness, cfg.seed)
         semaphore = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
 
         bar = progress_bar(cfg.show_progress and on_request_done is None, len(requests))
@@ -99,7 +107,7 @@ async def drive(cfg: BenchConfig, requests: list[SampleRequest], model: str | No
             start_s = time.perf_counter()
             tasks = []
             urls = itertools.cycle(cfg.urls)
-            for request, offset_s in zip(requests, offsets_s.tolist(), strict=True):
+            for request, offset_s in zip(requests, offsets_s, strict=True):
                 delay_s = start_s + offset_s - time.perf_counter()
                 if delay_s > 0:
                     await asyncio.sleep(delay_s)
