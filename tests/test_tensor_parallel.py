@@ -1,12 +1,18 @@
 """Tensor parallelism (``worker/parallel/``) on the CPU over gloo.
 
 A tiny Llama checkpoint (every bias on, a vocabulary that does not split evenly, so the
-last shard carries padding) is saved once as safetensors: TP=2 (this process as rank 0
-and one spawned follower, each reading only its slices) must give the greedy tokens of
-TP=1 and the same logits within 1e-5, through prefill, decode and prompt-logprob calls
-of the LM head. The sharding math is checked without processes by summing the shards'
-partial products by hand, for a split and a replicated-KV layout. Killing the follower
-must take the group down: rank 0's watcher fires and a step fails instead of hanging.
+last shard carries padding, and a byte-level tokenizer of printable ASCII for grammars)
+is saved once as safetensors: TP=2 (this process as rank 0 and one spawned follower,
+each reading only its slices) must give the greedy tokens of TP=1 and the same logits
+within 1e-5, through prefill, decode, speculative verification and prompt-logprob calls
+of the LM head; and the same tokens on a workload that takes every engine path that
+runs under TP: prefill chunks that share steps with decodes (a token budget of 32),
+prefix-cache hits, ngram speculative decoding, a JSON-schema request (its grammar mask
+applied on rank 0's gathered logits), penalties and a seeded sampled request. The
+sharding math is checked without processes by summing the shards' partial products by
+hand, for a split and a replicated-KV layout. Killing the follower must take the group
+down: rank 0's watcher fires and a step fails instead of hanging. (The worker's stop,
+as processes: ``test_tp_teardown.py``.)
 
 The default model (SmolLM2-135M: 9 heads, 3 KV heads) does not split over 2 ranks; it is
 refused with the reason (``test_refuses_what_does_not_split``).
@@ -26,10 +32,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from msgspec.structs import replace
 from safetensors.torch import save_file
 
 from shared.model_source import DUMMY_CONFIGS
-from shared.sampling import SamplingParams
+from shared.sampling import SamplingParams, StructuredOutput
 from worker.models.config import ModelConfig
 from worker.models.llama import LlamaForCausalLM
 from worker.models.loader import load_hf_weights
@@ -37,9 +44,16 @@ from worker.parallel.layers import ZERO, TensorParallelLM, shard_spec, tensor_sl
 
 HIDDEN, INTER, LAYERS, VOCAB, HEAD_DIM = 64, 96, 2, 251, 16
 ENGINE = {"dtype": "float32", "num_kv_blocks": 64, "max_num_seqs": 4, "cpu_threads": 1, "max_model_len": 256}
+#: The CPU engines of this module (TP=1 and TP=2 alike): prefill chunks of at most 32
+#: tokens, so a long prompt's chunks share steps with other requests' decodes; ngram
+#: speculative decoding; prefix caching (on by default).
+CPU_ENGINE = {**ENGINE, "max_num_batched_tokens": 32, "speculative_method": "ngram"}
 #: TP=2 sizes its cache from a byte budget instead: 2 layers x K and V x 16 tokens x 1 KV
 #: head of 16 float32 per rank = 4,096 bytes a block, so 128 blocks (64 for the full model).
 TP_KV_CACHE_BYTES, TP_NUM_BLOCKS = 128 * 4096, 128
+#: Set for every process the cuda tests start: no NVLink multicast (NVLS), which the
+#: lent GPU machines do not allow.
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 140)), [7, 7, 7]]
 #: The last request also scores its prompt and returns logprobs: more LM-head calls.
 PARAMS = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)] * 2 + [
@@ -76,9 +90,25 @@ def write_checkpoint(folder: Path, config: dict, seed: int = 0) -> Path:
     return folder
 
 
+def write_tokenizer(folder: Path) -> None:
+    """A byte-level BPE tokenizer of printable ASCII (no merges: one token a character,
+    ids 1..95; EOS ``</s>`` is 0, the config's ``eos_token_id``) saved in ``folder``:
+    enough for llguidance to build JSON grammars over the tiny model's 251 ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = ["\u0120"] + [chr(c) for c in range(33, 127)]  # byte-level's space, then itself
+    tok = Tokenizer(models.BPE(vocab={"</s>": 0, **{c: i for i, c in enumerate(chars, 1)}}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>").save_pretrained(folder)
+
+
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_checkpoint(tmp_path_factory.mktemp("tp") / "tiny", tiny_config())
+    folder = write_checkpoint(tmp_path_factory.mktemp("tp") / "tiny", tiny_config())
+    write_tokenizer(folder)
+    return folder
 
 
 def generate(llm) -> tuple[list[list[int]], list[torch.Tensor], list]:
@@ -95,24 +125,33 @@ def generate(llm) -> tuple[list[list[int]], list[torch.Tensor], list]:
 
 
 @pytest.fixture(scope="module")
-def tp1(tiny_folder: Path):
+def llm1(tiny_folder: Path):
     from worker.llm import LLM
 
-    return generate(LLM(model=str(tiny_folder), device="cpu", **ENGINE))
+    return LLM(model=str(tiny_folder), device="cpu", **CPU_ENGINE)
+
+
+@pytest.fixture(scope="module")
+def tp1(llm1):
+    return generate(llm1)
 
 
 @contextlib.contextmanager
-def tp_engine(folder: Path, device: str, size: int = 2) -> Iterator[tuple]:
-    """Rank 0 of a TP=``size`` engine in this process (its followers are processes), the
-    group, and the follower deaths rank 0's watcher saw (instead of exiting the test
-    process)."""
+def tp_engine(folder: Path, device: str, size: int = 2, engine_settings: dict | None = None) -> Iterator[tuple]:
+    """Rank 0 of a TP=``size`` engine of ``engine_settings`` (default ``ENGINE``) in this
+    process (its followers are processes), the group, and the follower deaths rank 0's
+    watcher saw (instead of exiting the test process). On CPU each rank sizes its cache
+    from ``TP_KV_CACHE_BYTES``; on CUDA it keeps the explicit block count (sized from
+    free memory, a second engine in this process would find the first one's cache)."""
     from shared.model_source import resolve_model
     from shared.settings import EngineSettings, ModelSettings
     from worker.llm import LLM
     from worker.parallel.follower import start_for_engine
 
     deaths: list[float] = []
-    settings = {**{k: v for k, v in ENGINE.items() if k != "num_kv_blocks"}, "kv_cache_bytes": TP_KV_CACHE_BYTES}
+    settings = dict(engine_settings or ENGINE)
+    if device == "cpu":
+        settings = {**{k: v for k, v in settings.items() if k != "num_kv_blocks"}, "kv_cache_bytes": TP_KV_CACHE_BYTES}
     engine = {k: v for k, v in settings.items() if k not in ("dtype", "max_model_len")}
     group = start_for_engine(resolve_model(str(folder)),
                              ModelSettings(model=str(folder), dtype="float32", max_model_len=256, device=device),
@@ -129,7 +168,7 @@ def tp_engine(folder: Path, device: str, size: int = 2) -> Iterator[tuple]:
 
 @pytest.fixture(scope="module")
 def tp2(tiny_folder: Path):
-    with tp_engine(tiny_folder, "cpu") as out:
+    with tp_engine(tiny_folder, "cpu", engine_settings=CPU_ENGINE) as out:
         yield out
 
 
@@ -149,6 +188,71 @@ def test_tp2_matches_tp1(tp1, tp2) -> None:
         torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
     lp1, lp2 = outs1[2].prompt_logprobs, outs2[2].prompt_logprobs
     assert lp1 is not None and lp2 is not None and len(lp2) == len(PROMPTS[2]) - 1
+
+
+#: A JSON schema whose every output is short: an enum and a bounded integer.
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["color", "n"],
+          "properties": {"color": {"enum": ["red", "green"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99}}}
+#: Two prompt prefixes of two full blocks and more: the second round's prompts that
+#: start with them find their blocks cached. The second repeats itself, so ngram
+#: lookups find drafts in it.
+PREFIX_A, PREFIX_B = list(range(10, 50)), [3, 1, 4, 1, 5, 9, 2, 6] * 4
+
+
+def paths_workload() -> list[list[tuple[list[int], SamplingParams]]]:
+    """Two rounds of ``(prompt, params)``, every prompt of a round added at once (the
+    second round after the first has finished, so that its prefixes are cached)."""
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    structured = SamplingParams(max_tokens=40, temperature=0.0,
+                                structured=StructuredOutput(kind="json_schema", spec=json.dumps(SCHEMA, sort_keys=True)))
+    penalties = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, repetition_penalty=1.3,
+                               presence_penalty=0.5)
+    seeded = SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True)
+    return [[(PREFIX_A + [60, 61], greedy), ([7, 8, 9], replace(greedy, max_tokens=20)),
+             (PREFIX_B + [2, 7], greedy), ([20, 21, 22, 23, 24], structured)],
+            [(PREFIX_A + [70, 71, 72], greedy), (PREFIX_B + [8, 8], penalties), ([9, 10, 11, 12], seeded),
+             (list(range(150, 200)), greedy)]]
+
+
+def run_paths(llm) -> tuple[list, list[tuple[bool, bool]]]:
+    """``paths_workload`` through ``llm``: the outputs of both rounds, and per step whether
+    it computed a prefill chunk and whether it decoded (rank 0's scheduled batches)."""
+    steps: list[tuple[bool, bool]] = []
+    runner = llm.engine.runner
+    execute = runner.execute
+
+    def record(batch, *args, **kwargs):
+        prefill = [item.request.num_computed_tokens < item.request.num_prompt_tokens for item in batch]
+        steps.append((any(prefill), not all(prefill)))
+        return execute(batch, *args, **kwargs)
+
+    runner.execute = record
+    try:
+        outs = [out for round_ in paths_workload() for out in llm.generate(*map(list, zip(*round_)))]
+    finally:
+        del runner.execute
+    return outs, steps
+
+
+def test_tp2_matches_tp1_on_every_engine_path(llm1, tp2) -> None:
+    """Mixed prefill + decode steps, prefix-cache hits, ngram drafts verified, a JSON
+    schema, penalties and a seeded sample: TP=2's tokens are TP=1's, and so are its
+    cache hits and its speculation counts."""
+    llm2, _, deaths = tp2
+    spec1, spec2 = llm1.engine.spec_stats, llm2.engine.spec_stats
+    drafts_before = spec1.num_draft_tokens, spec2.num_draft_tokens
+    outs1, _ = run_paths(llm1)
+    outs2, steps = run_paths(llm2)
+    assert not deaths
+    assert [o.token_ids for o in outs2] == [o.token_ids for o in outs1]
+    assert [o.num_cached_tokens for o in outs2] == [o.num_cached_tokens for o in outs1]
+    assert outs2[4].num_cached_tokens >= 32 and outs2[5].num_cached_tokens >= 32  # two blocks of each prefix
+    assert any(prefill and decode for prefill, decode in steps), "no step mixed a prefill chunk with decodes"
+    drafts = spec1.num_draft_tokens - drafts_before[0], spec2.num_draft_tokens - drafts_before[1]
+    assert drafts[1] == drafts[0] > 0
+    assert spec2.num_accepted_tokens == spec1.num_accepted_tokens
+    answer = json.loads(outs2[3].text)
+    assert outs2[3].finish_reason == "stop" and answer["color"] in ("red", "green") and 0 <= answer["n"] <= 99
 
 
 def test_dead_follower_takes_the_group_down(tp2) -> None:
@@ -173,51 +277,6 @@ def test_dead_follower_takes_the_group_down(tp2) -> None:
     thread.start()
     thread.join(30)
     assert result and isinstance(result[0], RuntimeError), "a step with a dead rank must fail, not hang"
-
-
-class _Follower:
-    """A follower process as ``TPGroup.close`` sees it, recording what is done to it."""
-
-    def __init__(self, events: list[str]) -> None:
-        self.events = events
-
-    def terminate(self) -> None:
-        self.events.append("terminate")
-
-    def join(self, timeout: float | None = None) -> None:
-        self.events.append("join")
-
-    def is_alive(self) -> bool:
-        return False
-
-
-@pytest.mark.parametrize("stop_works", [True, False])
-def test_rank0_leaves_the_group_before_it_waits_for_its_followers(monkeypatch, stop_works: bool) -> None:
-    """NCCL's teardown is collective: a follower leaves the group on STOP and waits there
-    for rank 0, so rank 0 must leave too before it joins them (the other order hung on 2
-    GPUs). Without a delivered STOP the followers never leave: rank 0 terminates them and
-    aborts its communicators, which waits for no peer."""
-    import torch.distributed as dist
-
-    from worker.parallel import group as tp_group
-
-    events: list[str] = []
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "destroy_process_group", lambda: events.append("destroy"))
-    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group", lambda: events.append("abort"), raising=False)
-
-    def stop() -> None:
-        events.append("stop")
-        if not stop_works:
-            raise RuntimeError("follower gone")
-
-    group = tp_group.TPGroup(0, 2, torch.device("cpu"), followers=[_Follower(events)])
-    group.close(stop)
-    if stop_works:
-        assert events == ["stop", "destroy", "join"]
-    else:
-        assert events == ["stop", "terminate", "abort", "join"]
-    assert group.closing.is_set()
 
 
 def _sum_shards(full: LlamaForCausalLM, shards: list[TensorParallelLM], x: torch.Tensor, ids: torch.Tensor) -> None:
@@ -318,47 +377,62 @@ def test_llama3_70b_dummy_config_splits() -> None:
         assert shard_spec(cfg, n - 1, n).config.num_kv_heads == 8 // n
 
 
-@pytest.mark.slow
-def test_worker_exits_when_a_follower_dies(tiny_folder: Path, redis_server, tmp_path: Path) -> None:
-    """``inferq worker --tensor-parallel-size 2``: SIGKILL its follower and the worker
-    exits with ``EXIT_RANK_DIED`` within seconds (its heartbeat stops; the gateway's
-    failover takes its streams, as for any dead worker)."""
-    from bench import procs
-    from tests import processes
-    from worker.parallel.group import EXIT_RANK_DIED
+two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
-    log = tmp_path / "worker.log"
-    worker = processes.start("worker", redis_server.url, "--model", str(tiny_folder), "--tensor-parallel-size", "2",
-                             "--device", "cpu", "--dtype", "float32", "--cpu-threads", "1", "--num-kv-blocks", "64",
-                             "--max-model-len", "256", log_path=log)
-    try:
-        processes.wait_for_workers(redis_server.url, 1, [worker], timeout_s=300)
-        followers = [pid for pid, parent in procs.descendants(worker.pid)
-                     if parent == worker.pid and "spawn_main" in " ".join(procs.cmdline(pid))]
-        assert len(followers) == 1, followers
-        os.kill(followers[0], signal.SIGKILL)
-        assert worker.wait(30) == EXIT_RANK_DIED, log.read_text()[-3000:]
-        assert "a rank of this worker's group died" in log.read_text()
-    finally:
-        if worker.poll() is None:
-            worker.kill()
-            worker.wait()
+
+@pytest.fixture()
+def nccl_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``NCCL_ENV`` in this process (rank 0) and so in the followers it spawns."""
+    for name, value in NCCL_ENV.items():
+        monkeypatch.setenv(name, value)
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_tp2_over_nccl_matches_tp1(tiny_folder: Path) -> None:
+@two_gpus
+def test_tp2_over_nccl_matches_tp1(tiny_folder: Path, nccl_env: None) -> None:
     """Two GPUs, NCCL: the decode steps replay CUDA graphs that hold the all-reduces and
-    the logits all-gather on both ranks; greedy tokens equal TP=1's on one GPU."""
+    the logits all-gather on both ranks; greedy tokens equal TP=1's on one GPU. Then
+    again with the engine's look-ahead forced on (off under TP: it enqueues steps that
+    carry prefill chunks through the mixed-step graphs, which TP lacks): its decode
+    steps, enqueued behind the step in flight, must send the followers the in-flight
+    token ids (``ModelRunner.launch_step``)."""
     from worker.llm import LLM
 
-    tokens1, logits1, _ = generate(LLM(model=str(tiny_folder), device="cuda", **ENGINE))
+    llm1 = LLM(model=str(tiny_folder), device="cuda", **ENGINE)
+    tokens1, logits1, _ = generate(llm1)
+    # Greedy, no logprobs: every step may be enqueued behind the one in flight.
+    ahead1 = [o.token_ids for o in llm1.generate(PROMPTS, PARAMS[0])]
     with tp_engine(tiny_folder, "cuda") as (llm, _, deaths):
         runner = llm.engine.runner
         assert runner.graphs is not None, "decode graphs are captured under TP"
         tokens2, logits2, _ = generate(llm)
         assert runner.graphs.num_replays > 0
+        assert not llm.engine.look_ahead
+        llm.engine.look_ahead = True
+        ahead2 = [o.token_ids for o in llm.generate(PROMPTS, PARAMS[0])]
+        assert llm.engine.num_steps_ahead > 0
         assert not deaths
     assert tokens2 == tokens1
+    assert ahead2 == ahead1
     # Decode logits stay inside the graphs; the first prefill's come out of the LM head.
     torch.testing.assert_close(logits2[0], logits1[0], rtol=0, atol=1e-3)
+
+
+@pytest.mark.cuda
+@two_gpus
+def test_tp2_over_nccl_on_every_engine_path(tiny_folder: Path, nccl_env: None) -> None:
+    """``test_tp2_matches_tp1_on_every_engine_path`` on two GPUs: mixed steps run eagerly
+    under TP, decode steps replay the graphs, the JSON-schema request's decode steps take
+    the async path (its mask applied to the graphs' gathered logits)."""
+    from worker.llm import LLM
+
+    llm1 = LLM(model=str(tiny_folder), device="cuda", **CPU_ENGINE)
+    outs1, _ = run_paths(llm1)
+    with tp_engine(tiny_folder, "cuda", engine_settings=CPU_ENGINE) as (llm2, _, deaths):
+        outs2, steps = run_paths(llm2)
+        assert llm2.engine.runner.graphs is not None and llm2.engine.runner.graphs.num_replays > 0
+        assert not deaths
+    assert [o.token_ids for o in outs2] == [o.token_ids for o in outs1]
+    assert [o.num_cached_tokens for o in outs2] == [o.num_cached_tokens for o in outs1]
+    assert any(prefill and decode for prefill, decode in steps)
+    assert json.loads(outs2[3].text)["color"] in ("red", "green")

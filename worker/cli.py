@@ -26,7 +26,9 @@ def worker_cmd(model: ModelSettings, engine: EngineSettings, redis_settings: Red
     """Run one worker: pull requests of the model's stream into the engine. SIGTERM
     drains (finish held requests, then exit 0). A worker that cannot start (a model that
     does not load, settings that do not fit it) prints one line, ``inferq worker:
-    <reason>``, and exits with status 1."""
+    <reason>``, and exits with status 1. With ``--tensor-parallel-size`` above 1 the
+    worker ends with ``os._exit`` once its group is closed (``worker.parallel.group.exit_process``:
+    no interpreter teardown, whose C++ destructors could wait for or abort on NCCL's threads)."""
     import asyncio
 
     if parent_pid:
@@ -37,6 +39,7 @@ def worker_cmd(model: ModelSettings, engine: EngineSettings, redis_settings: Red
         exit_with_parent(parent_pid, signal.SIGKILL)
     from worker.main import WorkerStartError, serve_worker
 
+    status = 0
     try:
         asyncio.run(serve_worker(worker, redis_settings, model, engine))
     except WorkerStartError as exc:
@@ -44,9 +47,15 @@ def worker_cmd(model: ModelSettings, engine: EngineSettings, redis_settings: Red
         if exit_reason_file:
             with open(exit_reason_file, "w") as f:
                 f.write(f"{exc}\n")
-        raise typer.Exit(1) from None
+        status = 1
     except (KeyboardInterrupt, asyncio.CancelledError):
         pass
+    if engine.tensor_parallel_size > 1:
+        from worker.parallel.group import exit_process
+
+        exit_process(status)
+    if status:
+        raise typer.Exit(status)
 
 
 @settings_command("batch-worker", RedisSettings, BatchSettings, extra=(

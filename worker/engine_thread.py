@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import ParamSpec, TypeVar
 
 P = ParamSpec("P")
@@ -32,6 +32,15 @@ class EngineThread:
         """``fn(*args, **kwargs)`` on the engine thread; its exception is raised here."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        """``fn()`` on the engine thread, after the call in progress; its future, not
+        awaited (for the worker's teardown, which runs as the event loop stops).
+
+        Raises:
+            RuntimeError: after ``close``.
+        """
+        return self._executor.submit(fn)
 
     def close(self) -> None:
         """Let the thread exit once its current call returns."""

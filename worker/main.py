@@ -106,15 +106,22 @@ async def serve_worker(worker: WorkerSettings, redis_settings: RedisSettings, mo
                  service.stream, backend.name)
         await service.run()
     finally:
-        if metrics_server is not None:
-            metrics_server.shutdown()
-        if service.trace is not None:
-            service.trace.close()
-        await client.aclose()
-        engine_thread.close()
-        if tp is not None:
-            sync = getattr(getattr(backend, "runner", None), "step_sync", None)
-            tp.close(sync.send_stop if sync is not None else None)
+        try:
+            if metrics_server is not None:
+                metrics_server.shutdown()
+            if service.trace is not None:
+                service.trace.close()
+            await client.aclose()
+        finally:  # even when a second SIGINT cancels the awaits above
+            stop = None
+            if tp is not None:
+                sync = getattr(getattr(backend, "runner", None), "step_sync", None)
+                # STOP is a collective: it goes after the step in progress (SIGINT does
+                # not wait for it), from the thread that issues all of rank 0's.
+                stop = None if sync is None else engine_thread.submit(sync.send_stop).result
+            engine_thread.close()
+            if tp is not None:
+                tp.close(stop)
 
 
 async def block_size_conflict(client: AsyncClient, keys: Keys, model: str, block_size: int) -> str | None:

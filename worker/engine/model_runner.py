@@ -248,9 +248,13 @@ class ModelRunner:
         return self._replay_decode(len(requests), self._prepare_decode(requests, positions, input_ids))
 
     def _prepare_decode(self, requests: Sequence[Request], positions: Sequence[int],
-                        input_ids: Sequence[int] | torch.Tensor) -> int:
+                        input_ids: Sequence[int] | torch.Tensor,
+                        from_device: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
         """Fill the graphs' inputs and enqueue their upload (arguments as
-        ``_decode_logits``); returns the longest context, tokens."""
+        ``_decode_logits``; ``from_device``: ``(rows, ids)`` on the device, input ids
+        that replace those rows of ``input_ids`` after the upload, as ``launch_step``'s);
+        returns the longest context, tokens. Under tensor parallelism the inputs then go
+        to the other ranks, complete."""
         graphs = self.graphs
         assert graphs is not None and len(requests) <= graphs.max_batch_size
         bs = self.block_size
@@ -262,6 +266,8 @@ class ModelRunner:
         graphs.inputs.upload()
         if on_device:  # stream-ordered after the upload and the step that sampled them
             graphs.inputs.dev64[:len(requests)].copy_(input_ids)  # type: ignore[arg-type]
+        if from_device is not None:  # the input ids lead the graphs' int64 buffer
+            graphs.inputs.dev64.index_copy_(0, *from_device)
         if self.step_sync is not None:  # the other ranks replay the same bucket on these inputs
             self.step_sync.send_decode(graphs.inputs.dev64, graphs.inputs.dev32, len(requests), max(lens))
         return max(lens)
@@ -279,6 +285,10 @@ class ModelRunner:
         params = [r.sampling for r in requests]
         raw = RawLogprobs(logits, params) if RawLogprobs.wanted(params) else None  # before sample edits logits
         mask = self.grammar_masks.mask([r.grammar for r in requests])
+        if mask is not None and not logits.is_contiguous():
+            # Under tensor parallelism the gathered logits are a column slice (the last
+            # shard's vocabulary padding cut off) when the vocabulary does not split evenly.
+            logits = logits.contiguous()
         ids = self.sampler.sample(logits, [r.request_id for r in requests], params,
                                   [r.token_ids for r in requests], [r.num_prompt_tokens for r in requests], mask)
         if raw is not None:
@@ -428,10 +438,9 @@ class ModelRunner:
             ids_index, ids = index[:len(from_device)], sampled.index_select(0, index[len(from_device):])
         if self.device.type == "cuda" and self.takes_decode_graphs(batch):
             requests = [item.request for item in batch]
+            pending = (ids_index, ids) if ids_index is not None and ids is not None else None
             max_seq_len = self._prepare_decode(requests, [item.request.num_computed_tokens for item in batch],
-                                               [item.input_token_ids()[0] for item in batch])
-            if ids is not None:  # the decode graphs' input ids lead their int64 buffer
-                self.graphs.inputs.dev64.index_copy_(0, ids_index, ids)  # type: ignore[union-attr]
+                                               [item.input_token_ids()[0] for item in batch], pending)
             logits = self._replay_decode(len(requests), max_seq_len)
         elif self.device.type == "cuda":
             assert self.mixed is not None
@@ -490,8 +499,7 @@ class ModelRunner:
         if logits is not None and speculative:
             if while_gpu_runs is not None:
                 while_gpu_runs()
-            tokens = self._verify(logits, sampled_items)
-            logprobs = [None] * len(tokens)
+            tokens, logprobs = self._verify(logits, sampled_items)
         elif logits is not None:  # the step's one synchronisation: the ids' copy to the host
             ids, raw = self._sample(logits, [item.request for item in sampled_items])
             if while_gpu_runs is not None:
@@ -504,25 +512,30 @@ class ModelRunner:
         return ([next(it) if item.samples else None for item in batch],
                 [next(lps) if item.samples else None for item in batch], prompt)
 
-    def _verify(self, logits: torch.Tensor, items: Sequence[ScheduledRequest]) -> list[int | list[int]]:
+    def _verify(self, logits: torch.Tensor, items: Sequence[ScheduledRequest]
+                ) -> tuple[list[int | list[int]], list[TokenLogprobs | None]]:
         """Tokens of a speculative step's sampled items from their logits rows (one per
-        plain item, ``1 + num_spec_tokens`` per speculative one, in order): plain rows
-        go through ``_sample`` together, each speculative item through
+        plain item, ``1 + num_spec_tokens`` per speculative one, in order), and each
+        item's token logprobs or None: plain rows go through ``_sample`` together (a
+        request that asks for logprobs is never speculated, but may share the step:
+        its logprobs come from there), each speculative item through
         ``spec_decode.verify`` against ``Sampler.target_probs``."""
         sizes = [1 + item.num_spec_tokens for item in items]
         starts = [sum(sizes[:i]) for i in range(len(items))]
         plain = [i for i, item in enumerate(items) if not item.num_spec_tokens]
         out: list[int | list[int]] = [0] * len(items)
+        logprobs: list[TokenLogprobs | None] = [None] * len(items)
         if plain:
             rows = host_list_to_device([starts[i] for i in plain], torch.int64, logits.device)
             ids, raw = self._sample(logits.index_select(0, rows), [items[i].request for i in plain])
-            assert raw is None, "requests with logprobs are not speculated (NgramProposer.eligible)"
-            for i, t in zip(plain, ids.tolist()):
-                out[i] = t
+            plain_ids = ids.tolist()
+            plain_logprobs = raw.fetch() if raw is not None else [None] * len(plain)
+            for i, t, lp in zip(plain, plain_ids, plain_logprobs, strict=True):
+                out[i], logprobs[i] = t, lp
         for i, item in enumerate(items):
             if item.num_spec_tokens:
                 r = item.request
                 probs, argmax = self.sampler.target_probs(logits[starts[i]:starts[i] + sizes[i]], r.sampling)
                 out[i] = verify(probs, argmax, r.spec_token_ids[:item.num_spec_tokens],
                                 self.sampler.generator(r.request_id, r.sampling), r.sampling.seed is not None)
-        return out
+        return out, logprobs

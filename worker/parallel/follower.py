@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import threading
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -48,7 +48,11 @@ def start_for_engine(source: ModelSource, model: ModelSettings, engine: EngineSe
 def follower_main(rank: int, world_size: int, port: int, device: torch.device, source: ModelSource,
                   model_settings: ModelSettings, engine_settings: EngineSettings) -> None:
     """Process entry of rank ``rank``: join, build the shard and the runner as rank 0
-    does (``LLMEngine.__init__``), then ``serve`` until STOP. Exits with rank 0."""
+    does (``LLMEngine.__init__``), then ``serve`` until STOP, and exit at once with
+    status 0 (``group.exit_process``: no collective teardown, which would wait for rank
+    0's; docs/architecture.md, "Tensor parallelism"), or 1 when a call fails. Exits
+    with rank 0 (``EXIT_RANK_DIED``) when rank 0 dies; ignores SIGINT and SIGTERM."""
+    tp_group.ignore_stop_signals()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(name)s: %(message)s")
     parent = multiprocessing.parent_process()
     if parent is not None:  # rank 0 gone (even SIGKILLed): so are we
@@ -72,8 +76,19 @@ def follower_main(rank: int, world_size: int, port: int, device: torch.device, s
                          kv_calibration_ids(source, engine_settings, cfg.vocab_size, max_len))  # as rank 0's
     sync = StepSync(group.group, group.device, cfg.hidden_size, dtype)
     log.info("rank %d of %d ready (%s)", rank, world_size, group.device)
-    serve(runner, sync)
-    group.close()
+    serve_then_exit(runner, sync)
+
+
+def serve_then_exit(runner: Any, sync: StepSync) -> NoReturn:
+    """``serve`` until STOP, then end the process at once with status 0, or 1 when a
+    call fails (logged; rank 0 sees this rank go and exits too). No collective teardown:
+    it would wait for rank 0's (``group.exit_process``)."""
+    try:
+        serve(runner, sync)
+    except BaseException:
+        log.exception("tensor parallel: a model call failed on this rank")
+        tp_group.exit_process(1)
+    tp_group.exit_process(0)
 
 
 @torch.inference_mode()

@@ -13,20 +13,32 @@ moment one ends unasked, so its heartbeat stops and the gateway's failover recla
 streams; a follower watches rank 0 the same way and exits with it. Collectives get a
 long timeout: a follower waits for the next step as long as rank 0 is idle, and deaths
 are seen through the sentinels, not through timeouts.
+
+Stopping never waits on a peer: NCCL's collective teardown (``destroy_process_group``,
+``ncclCommDestroy``) waits for every rank's, so one rank that is slow or gone would hold
+the others (measured on 2 GPUs: over 10 s, then a C++ thread destroyed at interpreter
+exit aborted the process). Instead rank 0 sends STOP, each follower leaves with
+``os._exit`` at once (it holds no request state), rank 0 kills what has not left and
+aborts its own communicators, which is local; every step has a bound
+(``TEARDOWN_BUDGET_S``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
 import socket
+import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -37,8 +49,21 @@ log = logging.getLogger(__name__)
 EXIT_RANK_DIED = 3
 #: Collective timeout: longer than any idle period (deaths are seen through sentinels).
 COLLECTIVE_TIMEOUT = timedelta(days=30)
-#: How long close() waits for the group's teardown, and then for the followers to exit, seconds.
-STOP_TIMEOUT_S = 10.0
+#: A tensor-parallel worker's bound from its stop (SIGTERM once drained, SIGINT, a dead
+#: rank) to the exit of every process of its group, seconds. ``close`` takes at most the
+#: four bounds below (1.5 s); the rest is the worker's own stop (its loop sees the signal
+#: within one idle poll, ``worker.service.IDLE_BLOCK_MS``) and the exit.
+TEARDOWN_BUDGET_S = 2.0
+#: Rank 0's wait for STOP to leave it: the step in progress on the engine thread, then
+#: the header's broadcast (an idle follower takes it at once), seconds.
+STOP_DELIVERY_TIMEOUT_S = 0.5
+#: Rank 0's wait for its followers to exit after STOP (they exit at once), seconds.
+FOLLOWER_EXIT_TIMEOUT_S = 0.5
+#: Rank 0's wait for a follower it SIGKILLed to be gone, seconds.
+KILL_WAIT_S = 0.25
+#: Rank 0's wait for the abort of its own communicators (local: it waits for no peer), seconds.
+ABORT_TIMEOUT_S = 0.25
+assert STOP_DELIVERY_TIMEOUT_S + FOLLOWER_EXIT_TIMEOUT_S + KILL_WAIT_S + ABORT_TIMEOUT_S < TEARDOWN_BUDGET_S
 
 _current: TPGroup | None = None
 
@@ -69,61 +94,109 @@ class TPGroup:
         return int(t.item())
 
     def close(self, stop: Callable[[], None] | None = None) -> None:
-        """Mark the group closing (the watchers stay quiet) and leave it; on rank 0 first
-        call ``stop`` (``StepSync.send_stop``: each follower then leaves too and exits),
-        or without ``stop`` terminate the followers; then wait up to ``STOP_TIMEOUT_S``
-        for them and kill those left.
+        """Leave the group, within ``TEARDOWN_BUDGET_S`` whatever the peers do. Marks the
+        group closing first (the watchers stay quiet as followers exit).
 
-        NCCL tears a communicator down collectively: a rank's ``ncclCommDestroy`` waits
-        until its peers destroy theirs (NCCL >= 2.16). So rank 0 leaves the group right
-        after STOP, while its followers leave theirs, and joins them after; had it joined
-        them first, each side would wait for the other. After a failed STOP, or none, the
-        followers never leave: rank 0 then aborts its communicators instead
-        (``_abort_process_group``, which does not wait for them) where torch has it.
+        On rank 0: ``stop`` delivers STOP (``StepSync.send_stop``, run after the step in
+        progress; ``worker.main`` runs it on the engine thread, which issues rank 0's
+        collectives) and gets ``STOP_DELIVERY_TIMEOUT_S``; a follower that has STOP exits
+        at once (``follower.follower_main``). Without ``stop``, or when it fails or times
+        out, the followers are SIGKILLed at once (they ignore SIGTERM and SIGINT: a
+        follower stops with its rank 0). Each follower gets ``FOLLOWER_EXIT_TIMEOUT_S`` to
+        exit, then is SIGKILLed (``KILL_WAIT_S``); their exit statuses are logged. Last, this
+        rank aborts its communicators (``abort_group``: local, within ``ABORT_TIMEOUT_S``),
+        so that the process may start a new group. (A follower leaves by
+        ``exit_process`` instead: the process ends, and nothing needs tearing down.)
         """
         global _current
         self.closing.set()
-        stopped = False
-        if stop is not None:
-            try:
-                stop()
-                stopped = True
-            except Exception:  # a follower already gone: killed below
-                log.warning("tensor parallel: stop message not delivered", exc_info=True)
-        if not stopped:
-            for p in self.followers:
-                p.terminate()
+        if self.rank == 0 and self.followers:
+            delivered = stop is not None and bounded(stop, STOP_DELIVERY_TIMEOUT_S, "sending STOP")
+            if not delivered:
+                for p in self.followers:
+                    if p.is_alive():
+                        p.kill()
+            self._join_followers()
         if dist.is_initialized():
-            leave_group(peers_leave=stopped or not self.followers)
-        for p in self.followers:
-            p.join(STOP_TIMEOUT_S)
-            if p.is_alive():
-                p.kill()
-                p.join()
+            bounded(abort_group, ABORT_TIMEOUT_S, "aborting the group's communicators")
         if _current is self:
             _current = None
 
+    def _join_followers(self) -> None:
+        """Wait ``FOLLOWER_EXIT_TIMEOUT_S`` for the followers (rank 0), SIGKILL those left
+        and wait ``KILL_WAIT_S`` for them, then log every exit status (negative: the
+        signal)."""
+        deadline = time.monotonic() + FOLLOWER_EXIT_TIMEOUT_S
+        for p in self.followers:
+            p.join(max(0.0, deadline - time.monotonic()))
+        left = [p for p in self.followers if p.is_alive()]
+        for p in left:
+            p.kill()
+        deadline = time.monotonic() + KILL_WAIT_S
+        for p in left:
+            p.join(max(0.0, deadline - time.monotonic()))
+        log.info("tensor parallel: followers exited with status %s",
+                 ", ".join(f"rank {r}: {p.exitcode}" for r, p in enumerate(self.followers, 1)))
 
-def leave_group(peers_leave: bool) -> None:
-    """Destroy this process's default group (``peers_leave``: every other rank destroys
-    its own now, as NCCL's teardown needs), or else abort it, which waits for no peer
-    (where torch has ``_abort_process_group``; else destroy, and hope). Either is given
-    ``STOP_TIMEOUT_S``; past that it is left to finish on a daemon thread, logged, so
-    that a stuck peer cannot keep this process from exiting."""
+
+def abort_group() -> None:
+    """Abort every communicator of this process's groups and forget them
+    (``_abort_process_group``: NCCL's ``ncclCommAbort``, which, unlike the collective
+    destroy, waits for no peer; gloo closes its sockets). Where torch lacks it, destroy
+    (gloo's is local too)."""
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-    teardown = dist.destroy_process_group if peers_leave or abort is None else abort
+    (abort or dist.destroy_process_group)()
+
+
+def bounded(fn: Callable[[], None], timeout_s: float, what: str) -> bool:
+    """Run ``fn`` on a daemon thread and wait up to ``timeout_s`` seconds for it: True
+    when it returned in time. An exception or the timeout is logged (``what`` names the
+    step) and gives False; past the timeout ``fn`` is left running, so that a stuck peer
+    cannot keep this process from going on (or exiting: the thread is a daemon)."""
     done = threading.Event()
+    failed: list[BaseException] = []
 
     def run() -> None:
         try:
-            teardown()
-        except Exception:  # a peer gone mid-teardown: nothing left to free
-            log.warning("tensor parallel: leaving the group failed", exc_info=True)
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - reported below, on the caller's thread
+            failed.append(exc)
         done.set()
 
-    threading.Thread(target=run, name="tp-leave", daemon=True).start()
-    if not done.wait(STOP_TIMEOUT_S):
-        log.warning("tensor parallel: leaving the group took over %.0f s; going on without it", STOP_TIMEOUT_S)
+    threading.Thread(target=run, name="tp-teardown", daemon=True).start()
+    if not done.wait(timeout_s):
+        log.warning("tensor parallel: %s took over %.2f s; going on without it", what, timeout_s)
+        return False
+    if failed:
+        log.warning("tensor parallel: %s failed: %s", what, failed[0])
+        return False
+    return True
+
+
+def flush_logs() -> None:
+    """Flush the root logger's handlers and stdout/stderr (before ``os._exit``, which
+    flushes nothing)."""
+    for flush in [h.flush for h in logging.getLogger().handlers] + [sys.stdout.flush, sys.stderr.flush]:
+        with contextlib.suppress(Exception):  # a closed stream: nothing left to flush
+            flush()
+
+
+def exit_process(status: int) -> NoReturn:
+    """End this process now with ``status``, after ``flush_logs``: ``os._exit`` runs no
+    atexit hook and no C++ destructor, so neither a collective teardown nor a
+    communicator's threads (NCCL's watchdog, a teardown left running by ``bounded``) can
+    hold or abort the exit. For a rank whose work is done or handed back: the GPU memory
+    goes back with the process."""
+    flush_logs()
+    os._exit(status)
+
+
+def ignore_stop_signals() -> None:
+    """A follower's SIGINT and SIGTERM are ignored: Ctrl-C reaches a terminal's whole
+    process group and systemd's default stop every process of a unit, but a follower
+    stops with its rank 0 (STOP, or rank 0's death), never on its own mid-step."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def watch(closing: threading.Event, sentinels: list[Any], on_death: Callable[[], None]) -> None:
@@ -143,9 +216,10 @@ def current() -> TPGroup | None:
 
 def exit_now() -> None:
     """Leave at once with ``EXIT_RANK_DIED`` (a peer died: this rank's next collective
-    would fail or hang, and the engine thread may be inside one)."""
+    would fail or hang, and the engine thread may be inside one). The other followers
+    see rank 0 go and exit the same way."""
     log.error("tensor parallel: a rank of this worker's group died; exiting")
-    os._exit(EXIT_RANK_DIED)
+    exit_process(EXIT_RANK_DIED)
 
 
 def free_port() -> int:

@@ -71,7 +71,13 @@ class StepSync:
         self._bcast(dev32)
 
     def send_stop(self) -> None:
+        """Announce STOP (the followers exit) and return once it has left this rank:
+        on CUDA the broadcast is waited for, so that rank 0 may abort its communicators
+        next without cutting STOP off. Blocks while a follower is inside another call:
+        ``TPGroup.close`` bounds it."""
         self._send_header(OP_STOP)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # -- ranks > 0 --------------------------------------------------------------
     def recv_header(self) -> list[int]:
