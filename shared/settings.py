@@ -115,6 +115,9 @@ class EngineSettings:
     tensor_parallel_size: int = field(default=1, metadata=_doc(
         "Ranks (GPUs) one worker splits each layer over: NCCL on CUDA, gloo on CPU "
         "(docs/operations.md, \"Tensor parallelism\")"))
+    custom_all_reduce: bool = field(default=True, metadata=_doc(
+        "With tensor parallelism on CUDA, all-reduce decode-sized messages with our one-shot kernel over "
+        "NVLink peer buffers (NCCL for larger ones and where GPUs lack peer access)"))
     attention_backend: str = field(default="auto", metadata=_doc("auto | torch | cpu | triton"))
     kv_cache_dtype: str = field(default="auto", metadata=_doc(
         "auto (the model's dtype) | fp8 (float8 e4m3, K bias calibrated at load: about twice the tokens per byte)"))

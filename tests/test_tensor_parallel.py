@@ -391,11 +391,10 @@ def nccl_env(monkeypatch: pytest.MonkeyPatch) -> None:
 @two_gpus
 def test_tp2_over_nccl_matches_tp1(tiny_folder: Path, nccl_env: None) -> None:
     """Two GPUs, NCCL: the decode steps replay CUDA graphs that hold the all-reduces and
-    the logits all-gather on both ranks; greedy tokens equal TP=1's on one GPU. Then
-    again with the engine's look-ahead forced on (off under TP: it enqueues steps that
-    carry prefill chunks through the mixed-step graphs, which TP lacks): its decode
-    steps, enqueued behind the step in flight, must send the followers the in-flight
-    token ids (``ModelRunner.launch_step``)."""
+    the logits all-gather on both ranks (through the one-shot all-reduce,
+    ``worker/parallel/all_reduce.py``, at these sizes); greedy tokens equal TP=1's on one
+    GPU, with and without logprobs asked (the decode chain of async scheduling runs
+    without)."""
     from worker.llm import LLM
 
     llm1 = LLM(model=str(tiny_folder), device="cuda", **ENGINE)
@@ -408,9 +407,10 @@ def test_tp2_over_nccl_matches_tp1(tiny_folder: Path, nccl_env: None) -> None:
         tokens2, logits2, _ = generate(llm)
         assert runner.graphs.num_replays > 0
         assert not llm.engine.look_ahead
-        llm.engine.look_ahead = True
+        from worker.parallel.all_reduce import installed
+
+        assert installed() is not None, "the one-shot all-reduce is set up on NVLink-connected GPUs"
         ahead2 = [o.token_ids for o in llm.generate(PROMPTS, PARAMS[0])]
-        assert llm.engine.num_steps_ahead > 0
         assert not deaths
     assert tokens2 == tokens1
     assert ahead2 == ahead1

@@ -53,6 +53,7 @@ from worker.engine.step_types import ScheduledRequest
 from worker.models.attention import AttentionMetadata, select_backend
 from worker.models.config import ModelConfig
 from worker.models.llama import ForwardStopped, KVCache, LlamaForCausalLM
+from worker.parallel import all_reduce
 from worker.parallel import group as tp_group
 from worker.parallel.layers import TensorParallelLM
 from worker.parallel.step_sync import StepSync
@@ -138,6 +139,8 @@ class ModelRunner:
                                f"no group of that size (start one first: worker/parallel/group.py)")
         if self.tp is not None:
             num_blocks = self.tp.min_int(num_blocks)
+            if device.type == "cuda" and settings.custom_all_reduce:  # collective: every rank, here
+                all_reduce.install(self.tp.group, self.tp.device)
         self.step_sync: StepSync | None = None  # rank 0 of a group: announces each model call
         #: Checked between the layers of an eager step (``LlamaForCausalLM.forward``'s
         #: ``stop``) and between the pieces of a replayed one (``finish_pieces``); set by

@@ -43,6 +43,8 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from worker.parallel import all_reduce
+
 log = logging.getLogger(__name__)
 
 #: Exit status of a rank whose peer died.
@@ -117,6 +119,7 @@ class TPGroup:
                     if p.is_alive():
                         p.kill()
             self._join_followers()
+        all_reduce.uninstall()
         if dist.is_initialized():
             bounded(abort_group, ABORT_TIMEOUT_S, "aborting the group's communicators")
         if _current is self:
