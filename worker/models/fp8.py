@@ -37,6 +37,10 @@ bf16-input kernel (decode steps of up to 16 sequences with ``block`` weights, 32
 Embeddings, the LM head, norms, the MoE router and the MoE experts stay in the model
 dtype (the experts' fused kernel, ``kernels/fused_moe.py``, has no FP8 path).
 
+Under tensor parallelism each rank holds its slice of these weights and of their scales,
+TP=1's bit for bit (``worker/parallel/fp8_shards.py``, which also says which splits of
+the ``block`` layout are refused).
+
 Checkpoints already saved in FP8 (``config.json`` ``quantization_config`` with
 ``quant_method: "fp8"``, as vLLM's and llm-compressor's per-tensor or per-channel FP8
 write them: ``weight`` in ``float8_e4m3fn`` and ``weight_scale`` ``[]``, ``[1]``,

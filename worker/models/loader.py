@@ -4,20 +4,25 @@ folder or at random."""
 from __future__ import annotations
 
 import logging
+import math
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 
 from worker.models.config import ModelConfig
-from worker.models.fp8 import FP8_DTYPE, quantize_rows, scaled_mm_fits
+from worker.models.fp8 import FP8_DTYPE, FP8_SCHEMES, quantize_rows, scaled_mm_fits
 from worker.models.linear import UNLIMITED_ROWS, Linear, packed_linear_error
 from worker.models.llama import MLP, LlamaForCausalLM, RMSNorm
 from worker.models.moe import expert_row_ranges, hf_expert_target, hf_moe_name
 from worker.parallel import group as tp_group
+from worker.parallel.fp8_shards import check_fp8_shards
 from worker.parallel.layers import ZERO, ShardSpec, TensorParallelLM, shard_spec, tensor_slice
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 # HF name (after the "model." prefix is dropped) -> (our parameter, shard index) where
 # shard index says which slice of a fused parameter it fills (None: the whole tensor).
@@ -82,15 +87,15 @@ def load_hf_weights(model: LlamaForCausalLM, folder: Path) -> None:
                     dest.zero_()
                     filled.add(f"{target}#{bounds}")
                     continue
-                if spec is not None and tensor.shape[0] < dest.shape[0] and target.endswith(
-                        ("embed_tokens.weight", "lm_head.weight")):  # the last vocab shard's padding rows
+                if spec is not None and target.endswith(("embed_tokens.weight", "lm_head.weight")) and \
+                        tensor.shape[0] < dest.shape[0]:  # the last vocab shard's padding rows
                     dest[tensor.shape[0]:].zero_()
                     dest = dest[:tensor.shape[0]]
                 if target.endswith(".weight_scale"):  # FP8: per-tensor ([] or [1]) or per-channel
                     tensor = tensor.float().reshape(-1).expand(dest.shape) if tensor.numel() == 1 \
                         else tensor.float().reshape(-1)
                 elif dest.dtype == FP8_DTYPE and tensor.dtype != FP8_DTYPE:  # a layer the checkpoint kept
-                    tensor, scale = quantize_rows(tensor)
+                    tensor, scale = _quantize_kept(f, name, spec, tensor)
                     scales = params[f"{target}_scale"].data
                     scales[slice(*bounds) if bounds else slice(None)] = scale.view(-1)
                     filled.add(f"{target}_scale#{bounds}")
@@ -119,7 +124,8 @@ def load_hf_weights(model: LlamaForCausalLM, folder: Path) -> None:
 
 def _read_shard(f: Any, name: str, spec: ShardSpec) -> torch.Tensor | None:
     """Rank ``spec.rank``'s part of checkpoint tensor ``name`` (``layers.tensor_slice``),
-    read alone from the file; None: this rank keeps zeros."""
+    read alone from the file; None: this rank keeps zeros. A per-tensor FP8 scale (one
+    value, ``[]`` or ``[1]``) is read whole: it scales every rank's slice."""
     part = tensor_slice(spec, name.removeprefix("model."))
     if part is None:
         return f.get_tensor(name)
@@ -127,7 +133,23 @@ def _read_shard(f: Any, name: str, spec: ShardSpec) -> torch.Tensor | None:
         return None
     dim, start, stop = part  # type: ignore[misc]
     sl = f.get_slice(name)
+    if name.endswith(".weight_scale") and math.prod(sl.get_shape()) == 1:
+        return f.get_tensor(name)
     return sl[start:stop] if dim == 0 else sl[:, start:stop]
+
+
+def _quantize_kept(f: Any, name: str, spec: ShardSpec | None, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tensor`` (this rank's slice of checkpoint weight ``name``, which the FP8 checkpoint
+    left unquantized) in E4M3 with one scale per row, ``([rows, cols] E4M3, [rows, 1]
+    float32)``, as TP=1 quantizes it: each scale from the row's amax over the full weight
+    (``quantize_rows``). A row-parallel slice has only some of each row's columns, so
+    there the full weight is read, quantized, and sliced."""
+    part = None if spec is None else tensor_slice(spec, name.removeprefix("model."))
+    if not isinstance(part, tuple) or part[0] == 0:
+        return quantize_rows(tensor)
+    _, start, stop = part
+    q, scale = quantize_rows(f.get_tensor(name))
+    return q[:, start:stop].contiguous(), scale
 
 
 def _map_name(cfg: ModelConfig, name: str) -> tuple[str | None, tuple[int, int] | None]:
@@ -189,63 +211,93 @@ def fp8_linears(model: LlamaForCausalLM) -> list[Linear]:
     return out
 
 
+def fp8_layout(prequantized: bool, dummy: bool) -> str:
+    """The layout (``fp8.FP8_SCHEMES``) FP8 weights load in: a checkpoint saved in FP8
+    (``prequantized``) keeps its per-channel scales; weights quantized at load (from a
+    bfloat16/float32 checkpoint, or ``dummy`` ones) take 128x128 blocks."""
+    return "channel" if prequantized and not dummy else FP8_SCHEMES[0]
+
+
 def build_model(cfg: ModelConfig, folder: Path | None, dummy: bool, dtype: torch.dtype,
                 device: torch.device, max_positions: int, seed: int = 0, quantization: str = "none",
                 prequantized: bool = False) -> LlamaForCausalLM:
-    """Create the model on ``device`` in ``dtype`` and load its weights.
-
-    ``quantization`` ``"fp8"`` stores ``fp8_linears`` in FP8 (``worker/models/fp8.py``):
-    quantized after loading, or, with ``prequantized`` (the checkpoint is saved in FP8,
-    ``fp8.resolve_quantization``), loaded as they are. Off CUDA the FP8 weights are
-    dequantized back into ``dtype`` (the reference path, ``Linear.dequantize_fp8``).
+    """Create the model on ``device`` in ``dtype``, load its weights (``load_model``) and
+    ready it to serve: off CUDA, FP8 weights are dequantized back into ``dtype`` (the
+    reference path, ``Linear.dequantize_fp8``) and the CPU linears prepacked.
 
     In a tensor-parallel group (``worker/parallel/group.py``) it builds this rank's share
-    (``worker/parallel/layers.py``): sharded at load, or dummy weights drawn per rank with
-    seed ``seed + rank``.
+    (``worker/parallel/layers.py``).
 
     Raises:
         WeightLoadError: see ``load_hf_weights``.
         ValueError: under tensor parallelism, a config that does not split
-            (``layers.shard_spec``) or ``quantization`` other than ``"none"``.
+            (``layers.shard_spec``), or FP8 weights whose scales do not split with them
+            (``fp8_shards.check_fp8_shards``).
     """
     tp = tp_group.current()
-    if tp is not None and quantization != "none":
-        raise ValueError(f"--quantization {quantization} is not supported with --tensor-parallel-size")
+    spec = None if tp is None else shard_spec(cfg, tp.rank, tp.world_size)
+    model = load_model(cfg, folder, dummy, dtype, device, max_positions, seed, quantization, prequantized,
+                       spec, None if tp is None else tp.group)
+    if quantization == "fp8":
+        linears = fp8_linears(model)
+        if device.type != "cuda":
+            for m in linears:
+                m.dequantize_fp8(dtype)
+        log.info("FP8 weights: %d linears%s", len(linears),
+                 "" if device.type == "cuda" else f" (reference: dequantized into {dtype}, inputs rounded through e4m3)")
+    if device.type == "cpu":
+        _prepack_and_log(model, dtype)
+    return model.eval()
+
+
+def load_model(cfg: ModelConfig, folder: Path | None, dummy: bool, dtype: torch.dtype, device: torch.device,
+               max_positions: int, seed: int = 0, quantization: str = "none", prequantized: bool = False,
+               spec: ShardSpec | None = None, group: dist.ProcessGroup | None = None) -> LlamaForCausalLM:
+    """The model of ``cfg`` on ``device`` with its weights: all of it, or with ``spec`` the
+    share of rank ``spec.rank`` (``TensorParallelLM`` over process group ``group``),
+    sharded at load, or dummy weights drawn per rank with seed ``seed + rank``.
+
+    ``quantization`` ``"fp8"`` stores ``fp8_linears`` in FP8 (``worker/models/fp8.py``),
+    on any device (``build_model`` turns them into the CPU reference): quantized after
+    loading in 128x128 blocks, or, with ``prequantized`` (the checkpoint is saved in FP8,
+    ``fp8.resolve_quantization``), loaded as they are with per-channel scales. A rank's
+    FP8 weight and scales are its slice of TP=1's (``worker/parallel/fp8_shards.py``).
+
+    Raises:
+        WeightLoadError: see ``load_hf_weights``.
+        ValueError: with ``spec``, FP8 scales that do not split with their weights
+            (``fp8_shards.check_fp8_shards``).
+    """
+    fp8 = quantization == "fp8"
+    layout = fp8_layout(prequantized, dummy or folder is None)
+    load_fp8 = fp8 and layout == "channel"
+    if spec is not None and fp8:
+        check_fp8_shards(cfg, spec.world_size, layout)
     # Parameters are created in ``dtype`` (float32 first would need 4 bytes a parameter:
     # 122 GB for Qwen3-30B-A3B); the rotary tables name float32 themselves.
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(cfg, max_positions) if tp is None else \
-                TensorParallelLM(shard_spec(cfg, tp.rank, tp.world_size), max_positions, tp.group)
+            model = LlamaForCausalLM(cfg, max_positions) if spec is None else \
+                TensorParallelLM(spec, max_positions, group)
     finally:
         torch.set_default_dtype(default_dtype)
     # Rotary tables stay float32; everything else takes the model dtype.
     for module in model.modules():
-        for pname, p in module.named_parameters(recurse=False):
+        for p in module.parameters(recurse=False):
             p.data = p.data.to(dtype)
-    fp8 = quantization == "fp8"
-    load_fp8 = fp8 and prequantized and not (dummy or folder is None)
     if load_fp8:  # FP8 parameters first, so that the checkpoint's FP8 tensors land unchanged
         for m in fp8_linears(model):
-            m.to_fp8("channel")  # the per-tensor / per-channel scales of FP8 checkpoints
+            m.to_fp8(layout)  # the per-tensor / per-channel scales of FP8 checkpoints
     if dummy or folder is None:
-        init_dummy_weights(model, seed if tp is None else seed + tp.rank)
+        init_dummy_weights(model, seed if spec is None else seed + spec.rank)
         if isinstance(model, TensorParallelLM) and model.spec.rank > 0:
             for bias in model.row_parallel_biases():
                 bias.data.zero_()
     else:
         load_hf_weights(model, folder)
-    if fp8:
-        linears = fp8_linears(model)
-        for m in linears:
-            if not load_fp8:
-                m.to_fp8()
-            if device.type != "cuda":
-                m.dequantize_fp8(dtype)
-        log.info("FP8 weights: %d linears%s", len(linears),
-                 "" if device.type == "cuda" else f" (reference: dequantized into {dtype}, inputs rounded per token)")
-    if device.type == "cpu":
-        _prepack_and_log(model, dtype)
-    return model.eval()
+    if fp8 and not load_fp8:
+        for m in fp8_linears(model):
+            m.to_fp8(layout)
+    return model

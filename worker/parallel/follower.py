@@ -30,15 +30,21 @@ def start_for_engine(source: ModelSource, model: ModelSettings, engine: EngineSe
 
     Raises:
         ValueError: the model does not split (``layers.shard_spec``; checked here, before
-            any process starts), a quantization or a draft-model proposer, or more ranks
+            any process starts), nor its FP8 scales (``fp8_shards.check_fp8_shards``), a
+            checkpoint quantization that cannot load, a draft-model proposer, or more ranks
             than GPUs.
     """
     from worker.engine.engine import resolve_device
     from worker.models.config import ModelConfig
+    from worker.models.fp8 import resolve_quantization
+    from worker.models.loader import fp8_layout
+    from worker.parallel.fp8_shards import check_fp8_shards
 
-    shard_spec(ModelConfig.from_hf(source.config), 0, engine.tensor_parallel_size)
-    if model.quantization != "none":
-        raise ValueError(f"--quantization {model.quantization} is not supported with --tensor-parallel-size")
+    cfg = ModelConfig.from_hf(source.config)
+    shard_spec(cfg, 0, engine.tensor_parallel_size)
+    quantization, prequantized = resolve_quantization(model.quantization, source.config)
+    if quantization == "fp8":  # its scales must split with the weights (worker/parallel/fp8_shards.py)
+        check_fp8_shards(cfg, engine.tensor_parallel_size, fp8_layout(prequantized, source.dummy))
     if engine.speculative_method == "draft":  # the draft model would be built unsharded on rank 0 only
         raise ValueError("--speculative-method draft is not supported with --tensor-parallel-size (ngram is)")
     device = resolve_device(model.device)
@@ -61,6 +67,7 @@ def follower_main(rank: int, world_size: int, port: int, device: torch.device, s
     from worker.engine.kv_calibration import kv_calibration_ids
     from worker.engine.model_runner import ModelRunner
     from worker.models.config import ModelConfig
+    from worker.models.fp8 import resolve_quantization
     from worker.models.loader import build_model
 
     if device.type == "cpu":
@@ -69,7 +76,9 @@ def follower_main(rank: int, world_size: int, port: int, device: torch.device, s
     dtype = resolve_dtype(model_settings.dtype, group.device)
     cfg = ModelConfig.from_hf(source.config)
     max_len = max_model_len(source.config, model_settings.max_model_len)
-    model = build_model(cfg, source.path, source.dummy, dtype, group.device, max_len, model_settings.seed)
+    quantization, prequantized = resolve_quantization(model_settings.quantization, source.config)
+    model = build_model(cfg, source.path, source.dummy, dtype, group.device, max_len, model_settings.seed,
+                        quantization, prequantized)
     # Sized from this rank's shard; ModelRunner takes the group's smallest count.
     num_blocks = num_kv_blocks(model.shard_config, engine_settings, dtype, group.device)
     runner = ModelRunner(model, engine_settings, num_blocks, max_len, dtype, group.device, model_settings.seed,

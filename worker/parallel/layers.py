@@ -37,6 +37,7 @@ from worker.models.attention import AttentionBackend, AttentionMetadata
 from worker.models.config import ModelConfig
 from worker.models.linear import Linear
 from worker.models.llama import KVCache, LlamaForCausalLM
+from worker.parallel.all_reduce import all_reduce
 
 if TYPE_CHECKING:
     from worker.parallel.step_sync import StepSync
@@ -123,7 +124,8 @@ def shard_spec(cfg: ModelConfig, rank: int, world_size: int) -> ShardSpec:
 
 
 #: HF module -> (ShardSpec.rows kind, sharded dim of its weight): column-parallel
-#: (dim 0, biases too) and row-parallel (dim 1; the bias is whole on rank 0, zero elsewhere).
+#: (dim 0, biases and per-row FP8 scales too) and row-parallel (dim 1; the bias is whole on
+#: rank 0, zero elsewhere; per-row FP8 scales whole on every rank).
 _SHARDED = {
     "self_attn.q_proj": ("q", 0), "self_attn.k_proj": ("kv", 0), "self_attn.v_proj": ("kv", 0),
     "self_attn.o_proj": ("q", 1), "mlp.gate_proj": ("mlp", 0), "mlp.up_proj": ("mlp", 0),
@@ -136,7 +138,9 @@ ZERO = "zero"
 def tensor_slice(spec: ShardSpec, name: str) -> tuple[int, int, int] | str | None:
     """Which part of checkpoint tensor ``name`` (HF name, ``model.`` dropped, e.g.
     ``layers.3.mlp.down_proj.weight``) rank ``spec.rank`` reads: ``(dim, start, stop)``,
-    ``None`` (the whole tensor: norms) or ``ZERO`` (none of it: keep zeros)."""
+    ``None`` (the whole tensor: norms, a row-parallel projection's per-row FP8
+    ``weight_scale``) or ``ZERO`` (none of it: keep zeros). A per-tensor FP8 scale (one
+    value) is read whole by the loader whatever this says."""
     module, _, kind = name.rpartition(".")
     key = module.split(".", 2)[2] if module.startswith("layers.") else module
     if key not in _SHARDED:
@@ -144,24 +148,31 @@ def tensor_slice(spec: ShardSpec, name: str) -> tuple[int, int, int] | str | Non
     rows, dim = _SHARDED[key]
     if dim == 1 and kind == "bias":
         return None if spec.rank == 0 else ZERO
+    if dim == 1 and kind == "weight_scale":  # one scale per output row: every rank holds every row
+        return None
     return (dim if kind == "weight" else 0, *spec.rows(rows))
 
 
 class RowParallelLinear(Linear):
-    """``Linear`` over this rank's input columns; ``forward`` sums the partial products
-    of every rank with one all-reduce (in place, so CUDA graphs capture it). Its bias is
-    zero on ranks > 0, so the sum adds it once."""
+    """``Linear`` over this rank's input columns; ``forward`` (and, for an FP8 weight
+    with 128x128 blocks, ``forward_quantized``, whose input arrives quantized by the
+    kernel before it) sums the partial products of every rank with one all-reduce (in
+    place, so CUDA graphs capture it). Its bias is zero on ranks > 0, so the sum adds it
+    once."""
 
     group: dist.ProcessGroup | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x)
-        dist.all_reduce(out, group=self.group)
-        return out
+        return self.sum_over_ranks(super().forward(x))
 
-    def takes_quantized_input(self, rows: int) -> bool:
-        """Never: the all-reduce lives in ``forward``, so every product goes through it."""
-        return False
+    def forward_quantized(self, q: torch.Tensor, scale: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.sum_over_ranks(super().forward_quantized(q, scale, rows, dtype))
+
+    def sum_over_ranks(self, out: torch.Tensor) -> torch.Tensor:
+        """``out`` (this rank's partial product ``[rows, out_features]``) summed over the
+        group, in place: the one collective of both paths."""
+        all_reduce(out, self.group)
+        return out
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -176,7 +187,7 @@ class VocabParallelEmbedding(nn.Embedding):
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        dist.all_reduce(out, group=self.group)
+        all_reduce(out, self.group)
         return out
 
 
