@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import logging
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from bench.host import cpu_description
-from bench.vllm_offline_child import Generate, Generation, run_all
+from bench.vllm_offline_child import Generate, Generation, read_spec, run_all
 
 
 def inferq_generate(engine: Any) -> Generate:
@@ -54,13 +52,8 @@ def inferq_generate(engine: Any) -> Generate:
 def main(argv: Sequence[str]) -> int:
     """Build the engine as ``argv[0]`` (the spec) says and run it; exits 2 with one line
     when the spec cannot be read."""
-    if len(argv) != 1:
-        print("usage: python -m bench.inferq_offline_child SPEC.json", file=sys.stderr)
-        return 2
-    try:
-        spec = json.loads(Path(argv[0]).read_text())
-    except (OSError, ValueError) as exc:
-        print(f"inferq_offline_child: cannot read the spec {argv[0]}: {exc}", file=sys.stderr)
+    spec = read_spec(argv, "python -m bench.inferq_offline_child SPEC.json")
+    if spec is None:
         return 2
     import torch
 

@@ -43,7 +43,7 @@ WORKLOADS = ("burst", "multi_turn", "shared_prefix", "throughput")
 
 @dataclass(frozen=True, slots=True)
 class Sizes:
-    """Workload sizes; lengths in tokens. Defaults: issue 35's GPU workloads."""
+    """Workload sizes; lengths in tokens. Defaults: the GPU workloads (docs/benchmarks.md, scale-out)."""
 
     burst_requests: int = 96
     burst_prompt_len: int = 3000

@@ -228,16 +228,25 @@ def vllm_info(llm: Any, build_s: float) -> dict[str, Any]:
             "device_name": device_name, "dtype": dtype, "build_s": build_s}
 
 
+def read_spec(argv: Sequence[str], usage: str) -> dict[str, Any] | None:
+    """The spec of a child's command line (``argv``: one JSON file's path), or None after
+    one line on stderr (``usage`` when the arguments are wrong, else why the file cannot
+    be read): the child then exits 2."""
+    if len(argv) != 1:
+        print(f"usage: {usage}", file=sys.stderr)
+        return None
+    try:
+        return dict(json.loads(Path(argv[0]).read_text()))
+    except (OSError, ValueError, TypeError) as exc:
+        print(f"{usage.split()[-2]}: cannot read the spec {argv[0]}: {exc}", file=sys.stderr)
+        return None
+
+
 def main(argv: Sequence[str]) -> int:
     """``vllm_offline_child.py SPEC.json``: build ``vllm.LLM`` as the spec says and run it.
     Exits 2 with one line when the spec is missing or does not parse."""
-    if len(argv) != 1:
-        print("usage: vllm_offline_child.py SPEC.json", file=sys.stderr)
-        return 2
-    try:
-        spec = json.loads(Path(argv[0]).read_text())
-    except (OSError, ValueError) as exc:
-        print(f"vllm_offline_child: cannot read the spec {argv[0]}: {exc}", file=sys.stderr)
+    spec = read_spec(argv, "vllm_offline_child.py SPEC.json")
+    if spec is None:
         return 2
     from vllm import LLM
 
