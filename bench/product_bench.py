@@ -172,6 +172,7 @@ def offline_child(spec_path: Path) -> int:
     if spec.get("step_trace"):
         Path(spec["step_trace"]).write_text("".join(json.dumps(line) + "\n" for line in trace))
     spec_path.with_suffix(".result.json").write_text(json.dumps(result))
+    llm.close()  # a tensor-parallel group (--tensor-parallel-size N) it started: its ranks exit
     return 0
 
 

@@ -172,6 +172,27 @@ def tp2(tiny_folder: Path):
         yield out
 
 
+@pytest.mark.slow
+def test_llm_starts_and_stops_its_own_group(tiny_folder: Path) -> None:
+    """``LLM(tensor_parallel_size=2)`` with no group in the process starts one (as vLLM's
+    ``LLM`` does), gives TP=1's greedy tokens, and ``close`` ends its follower. (First in
+    the module: the ``tp2`` fixture's group lives from its first use to the module's end.)"""
+    from worker.llm import LLM
+    from worker.parallel import group as tp_group
+
+    greedy = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)] * len(PROMPTS)
+    want = [o.token_ids for o in LLM(model=str(tiny_folder), device="cpu", **ENGINE).generate(PROMPTS, greedy)]
+    assert tp_group.current() is None
+    settings = {k: v for k, v in ENGINE.items() if k != "num_kv_blocks"}
+    with LLM(model=str(tiny_folder), device="cpu", tensor_parallel_size=2, kv_cache_bytes=TP_KV_CACHE_BYTES,
+             **settings) as llm:
+        group = tp_group.current()
+        assert group is not None and llm._group is group
+        [follower] = group.followers
+        assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == want
+    assert tp_group.current() is None and not follower.is_alive() and follower.exitcode == 0
+
+
 def test_tp2_matches_tp1(tp1, tp2) -> None:
     tokens1, logits1, outs1 = tp1
     llm, _, _ = tp2

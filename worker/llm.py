@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 from shared.model_source import resolve_model
 from shared.protocol import FinishReason, TokenLogprobs
@@ -14,6 +14,7 @@ from shared.sampling import SamplingParams
 from shared.settings import DEFAULT_MODEL_NAME, EngineSettings, ModelSettings
 from shared.tokenizer_loader import load_tokenizer
 from worker.engine.engine import LLMEngine
+from worker.parallel import group as tp_group
 
 
 @dataclass(slots=True)
@@ -36,10 +37,15 @@ class LLM:
     """Load a model and generate for a list of prompts in continuous batches.
 
     Keyword arguments are fields of ``ModelSettings`` or ``EngineSettings``, e.g.
-    ``LLM(model="SmolLM2-135M-Instruct", num_kv_blocks=64, max_num_seqs=8)``.
+    ``LLM(model="SmolLM2-135M-Instruct", num_kv_blocks=64, max_num_seqs=8)``. With
+    ``tensor_parallel_size`` N > 1 and no tensor-parallel group in this process yet, it
+    starts one (``worker.parallel.follower.start_for_engine``: N - 1 processes, this one
+    rank 0) and owns it: ``close()`` (or leaving a ``with LLM(...) as llm:`` block) stops
+    it. Without ``close`` the followers end with this process.
 
     Raises:
         TypeError: an unknown keyword.
+        ValueError: settings the engine or the group refuses (``start_for_engine``).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL_NAME, **kwargs: Any) -> None:
@@ -51,11 +57,35 @@ class LLM:
         self.model_settings = ModelSettings(model=model, **{k: v for k, v in kwargs.items() if k in model_fields})
         self.engine_settings = EngineSettings(**{k: v for k, v in kwargs.items() if k in engine_fields})
         self.source = resolve_model(model, self.model_settings.load_format, self.model_settings.model_cache_dir)
-        self.engine = LLMEngine(self.source, self.model_settings, self.engine_settings)
+        self._group = None  # the tensor-parallel group this LLM started, if any
+        if self.engine_settings.tensor_parallel_size > 1 and tp_group.current() is None:
+            from worker.parallel.follower import start_for_engine
+
+            self._group = start_for_engine(self.source, self.model_settings, self.engine_settings)
+        try:
+            self.engine = LLMEngine(self.source, self.model_settings, self.engine_settings)
+        except BaseException:
+            if self._group is not None:
+                self._group.close()
+            raise
         self.tokenizer = None
         if self.source.has_tokenizer:
             self.tokenizer = load_tokenizer(self.source.path)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel group this LLM started (its followers exit; bounded
+        by ``group.TEARDOWN_BUDGET_S``); nothing otherwise. The engine is unusable after."""
+        group, self._group = self._group, None
+        if group is not None:
+            sync = self.engine.runner.step_sync
+            group.close(sync.send_stop if sync is not None else None)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a prompt (ids pass through).
