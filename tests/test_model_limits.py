@@ -1,4 +1,4 @@
-"""One source for the model's length (issue 38, item 4; docs/operations.md, "The model's
+"""One source for the model's length (docs/operations.md, "The model's
 length"): ``shared.model_source.max_model_len`` defaults to what the config allows, capped by
 what the KV cache holds; each worker announces its value in its heartbeat; the gateway admits
 by the ready workers' value, falls back to its own, caps it with an explicit

@@ -1,6 +1,6 @@
 """A worker that cannot start says why in one line and exits 1; ``inferq serve`` exits
 (status 1, with that line) when its worker exits unasked, at start or later, and leaves
-nothing running (issue 38, item 5; docs/operations.md, "Signals"). Real processes,
+nothing running (docs/operations.md, "Signals"). Real processes,
 Linux ``/proc``."""
 
 from __future__ import annotations
