@@ -47,6 +47,11 @@ from worker.parallel import all_reduce
 
 log = logging.getLogger(__name__)
 
+#: NVLink multicast (NVLS) off in NCCL, in torch's symmetric memory (which the one-shot
+#: all-reduce allocates: ``worker/parallel/all_reduce.py``) and in NVSHMEM: set by ``start``
+#: where the environment does not say otherwise. Multicast objects are a scarce, per-host
+#: resource that the peer-to-peer paths do not need.
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 #: Exit status of a rank whose peer died.
 EXIT_RANK_DIED = 3
 #: Collective timeout: longer than any idle period (deaths are seen through sentinels).
@@ -250,8 +255,8 @@ def join(rank: int, world_size: int, port: int, device: torch.device) -> TPGroup
 
 def start(world_size: int, device: torch.device, follower_main: Callable[..., None],
           follower_args: tuple[Any, ...], on_death: Callable[[], None] = exit_now) -> TPGroup:
-    """Rank 0: spawn ranks 1..``world_size``-1 running ``follower_main(rank, world_size,
-    port, device, *follower_args)`` (a module-level function: the processes are spawned;
+    """Rank 0: on CUDA set ``MULTICAST_OFF`` where unset, spawn ranks 1..``world_size``-1
+    running ``follower_main(rank, world_size, port, device, *follower_args)`` (a module-level function: the processes are spawned;
     ``follower.follower_main`` for the engine), join the group with them, and watch them
     (``on_death`` when one ends unasked; default: exit with ``EXIT_RANK_DIED``).
 
@@ -265,6 +270,9 @@ def start(world_size: int, device: torch.device, follower_main: Callable[..., No
         raise ValueError(f"tensor parallel size {world_size} > {torch.cuda.device_count()} visible GPUs")
     if _current is not None:
         raise RuntimeError("a tensor-parallel group already runs in this process")
+    if device.type == "cuda":  # before NCCL starts here, and inherited by the followers
+        for name, value in MULTICAST_OFF.items():
+            os.environ.setdefault(name, value)
     port = free_port()
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=follower_main, args=(r, world_size, port, device, *follower_args),
