@@ -76,6 +76,12 @@ DispatchPolicy = Literal["cache_aware", "load", "random"]
 #: 2026-11-28); llm-d likewise weighs its prefix scorer 3 against its queue scorer 2.
 UNCACHED_WEIGHT = 2
 
+#: A cached overlap shorter than this many tokens counts as none in ``cache_aware``'s
+#: choice (the placement still books it as cached): saving under 128 prefill tokens is
+#: worth less than spreading load. Counting them, a burst of short chats that shared only
+#: the chat template's first blocks all went to the worker that held those blocks.
+MIN_CACHED_TOKENS = 128
+
 #: Placement looks a prompt up every ``PLACEMENT_TOKENS`` tokens (every
 #: ``placement_stride(block_size)``-th block hash), then block by block after the last
 #: of those: the cached overlap it sees is exact to that many tokens, and hashing a 4,000-token prompt costs one BLAKE2b pass plus 31
@@ -237,11 +243,14 @@ def choose(policy: DispatchPolicy, num_prompt_tokens: int, candidates: Sequence[
         return PlacementDecision(Placement(best.worker_id, num_prompt_tokens), "load", 0)
     if policy != "cache_aware":
         raise ValueError(f"unknown dispatch policy {policy!r}")
-    def cost(c: Candidate) -> int:
-        return UNCACHED_WEIGHT * (num_prompt_tokens - c.num_cached_tokens) + c.num_queued_tokens
+    def cached(c: Candidate) -> int:  # what the choice counts (``MIN_CACHED_TOKENS``)
+        return c.num_cached_tokens if c.num_cached_tokens >= MIN_CACHED_TOKENS else 0
 
-    best = min(order, key=lambda c: (cost(c), -c.num_cached_tokens, c.num_running))
-    if prefix_key and best.num_cached_tokens == 0 and not any(c.num_cached_tokens for c in order):
+    def cost(c: Candidate) -> int:
+        return UNCACHED_WEIGHT * (num_prompt_tokens - cached(c)) + c.num_queued_tokens
+
+    best = min(order, key=lambda c: (cost(c), -cached(c), c.num_running))
+    if prefix_key and cached(best) == 0 and not any(cached(c) for c in order):
         open_ = [c for c in order if not c.saturated] or order
         floor = min(c.shared_queued_tokens for c in open_)
         near = [c for c in open_ if c.shared_queued_tokens <= floor + margin_tokens]
@@ -249,7 +258,7 @@ def choose(policy: DispatchPolicy, num_prompt_tokens: int, candidates: Sequence[
     uncached = num_prompt_tokens - best.num_cached_tokens
     if best.saturated and best.num_cached_tokens <= uncached:
         return shared
-    return PlacementDecision(Placement(best.worker_id, uncached), "cache" if best.num_cached_tokens else "load",
+    return PlacementDecision(Placement(best.worker_id, uncached), "cache" if cached(best) else "load",
                              best.num_cached_tokens)
 
 

@@ -15,7 +15,15 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.admission import Enqueuer
-from gateway.placement import PLACEMENT_TOKENS, Candidate, Placer, choose, placement_stride, rendezvous
+from gateway.placement import (
+    MIN_CACHED_TOKENS,
+    PLACEMENT_TOKENS,
+    Candidate,
+    Placer,
+    choose,
+    placement_stride,
+    rendezvous,
+)
 from shared import protocol
 from shared.block_hashes import (
     HASH_BYTES,
@@ -116,6 +124,20 @@ def test_cache_aware_follows_the_cache_until_the_queue_costs_more() -> None:
     assert choose("cache_aware", 1000, busy).placement == Placement("b", 1000)
 
 
+def test_an_overlap_under_min_cached_tokens_leaves_the_choice_to_load() -> None:
+    """Short prompts that share only a chat template's first blocks spread by load; the
+    worker that holds those blocks is booked for them where it is chosen."""
+    short = [_cand("a", cached=MIN_CACHED_TOKENS - BLOCK, queued=50), _cand("b")]
+    decision = choose("cache_aware", 150, short)
+    assert decision.placement == Placement("b", 150) and decision.reason == "load"
+    tie = [_cand("a", cached=MIN_CACHED_TOKENS - BLOCK), _cand("b", queued=1)]
+    decision = choose("cache_aware", 150, tie)
+    assert decision.placement == Placement("a", 150 - MIN_CACHED_TOKENS + BLOCK) and decision.reason == "load"
+    # From MIN_CACHED_TOKENS on, the cache counts.
+    decision = choose("cache_aware", 150, [_cand("a", cached=MIN_CACHED_TOKENS, queued=50), _cand("b")])
+    assert decision.placement == Placement("a", 150 - MIN_CACHED_TOKENS) and decision.reason == "cache"
+
+
 def test_cache_aware_without_any_cache_places_by_load() -> None:
     decision = choose("cache_aware", 500, [_cand("a", queued=300), _cand("b", queued=200)])
     assert decision.placement == Placement("b", 500) and decision.reason == "load"
@@ -187,25 +209,25 @@ async def test_the_read_script_finds_each_workers_overlap_and_queue(client: aior
     assert await client.sismember(keys.kv_index(MODEL, "w2"), query.hashes[2])
 
 
-async def test_a_prompt_shorter_than_one_lookup_step_finds_its_cached_prefix(client: aioredis.Redis) -> None:
-    """A chat's second turn (history plus a question, under ``PLACEMENT_TOKENS``) is
-    looked up block by block, so it goes where its first turn is cached, not
-    wherever load sends it."""
+async def test_blocks_after_the_last_lookup_step_make_the_overlap_exact(client: aioredis.Redis) -> None:
+    """A chat's next turn (its history cached, then a question) is looked up every
+    ``PLACEMENT_TOKENS`` and then block by block, so the overlap placement sees is the
+    cached history to the block (144 tokens here), not to the last step (128)."""
     keys = _keys()
     for w in ("w1", "w2"):
         await _heartbeat(client, keys, w)
-    first_turn = list(range(1, 4 * BLOCK + 1))
-    follow_up = [*first_turn, *range(500, 500 + BLOCK + 5)]  # 5 full blocks + 4 of the lookup's 85
-    assert len(follow_up) < PLACEMENT_TOKENS
-    await client.sadd(keys.kv_index(MODEL, "w2"), *block_hashes(first_turn, BLOCK))
+    history = list(range(1, 9 * BLOCK + 1))  # 144 tokens: 9 blocks
+    follow_up = [*history, *range(500, 500 + BLOCK + 5)]  # 10 full blocks of the lookup's 164
+    assert len(history) > PLACEMENT_TOKENS
+    await client.sadd(keys.kv_index(MODEL, "w2"), *block_hashes(history, BLOCK))
     await client.hset(keys.placed_tokens(MODEL), "w2", 40)  # w2 a little busier: load alone picks w1
     placer = Placer(client, keys, MODEL, "cache_aware", 8.0)
     await placer.refresh()
     query = placer.query(follow_up)
-    assert query is not None and query.prefix_lengths == [BLOCK, 2 * BLOCK, 3 * BLOCK, 4 * BLOCK, 5 * BLOCK]
+    assert query is not None and query.prefix_lengths == [PLACEMENT_TOKENS, 9 * BLOCK, 10 * BLOCK]
     [(decision, _)] = await placer.place([query])
-    assert decision is not None and decision.reason == "cache" and decision.num_cached_tokens == 4 * BLOCK
-    assert decision.placement == Placement("w2", len(follow_up) - 4 * BLOCK)
+    assert decision is not None and decision.reason == "cache" and decision.num_cached_tokens == 9 * BLOCK
+    assert decision.placement == Placement("w2", len(follow_up) - 9 * BLOCK)
 
 
 async def test_no_placement_without_agreeing_workers(client: aioredis.Redis) -> None:
