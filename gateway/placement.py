@@ -90,6 +90,15 @@ MIN_CACHED_TOKENS = 128
 PLACEMENT_TOKENS = 128
 
 
+def _prefix_key(q: PlacementQuery) -> str:
+    """The name ``choose`` gives a new prefix: the hash of the prompt's first
+    ``MIN_CACHED_TOKENS`` tokens, "" for a shorter prompt (placed by load: a key from a
+    chat template's first block would send every short chat to one worker)."""
+    if q.prefix_lengths and q.prefix_lengths[0] >= MIN_CACHED_TOKENS:
+        return q.hashes[0].hex()
+    return ""
+
+
 def placement_stride(block_size: int) -> int:
     """Block hashes per placement lookup step: ``PLACEMENT_TOKENS // block_size``, at least 1."""
     return max(1, PLACEMENT_TOKENS // block_size)
@@ -405,7 +414,7 @@ class Placer:
                 candidates.append(Candidate(wid, q.prefix_lengths[overlap - 1] if overlap else 0, queued,
                                             limits[j], w.num_running, shared))
             decision = choose(self.policy, q.num_prompt_tokens, candidates, q.session, self._rng,
-                              prefix_key=q.hashes[0].hex() if q.hashes else "", margin_tokens=margin)
+                              prefix_key=_prefix_key(q), margin_tokens=margin)
             target = decision.placement.worker_id
             if target is not None:
                 status = workers[ids.index(target)]

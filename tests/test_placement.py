@@ -230,6 +230,24 @@ async def test_blocks_after_the_last_lookup_step_make_the_overlap_exact(client: 
     assert decision.placement == Placement("w2", len(follow_up) - 9 * BLOCK)
 
 
+async def test_short_prompts_sharing_a_template_spread_by_load(client: aioredis.Redis) -> None:
+    """A burst of short chats that share their first blocks (a chat template's system
+    prompt), cached on one worker, spreads over the workers: neither the short overlap
+    nor the shared first block (a new prefix's name) pins them to one."""
+    keys = _keys()
+    for w in ("w1", "w2", "w3"):
+        await _heartbeat(client, keys, w)
+    template = list(range(1, 2 * BLOCK + 1))
+    await client.sadd(keys.kv_index(MODEL, "w1"), *block_hashes(template, BLOCK))
+    prompts = [[*template, *range(1000 + 40 * i, 1000 + 40 * i + 20)] for i in range(9)]
+    placer = Placer(client, keys, MODEL, "cache_aware", 8.0)
+    await placer.refresh()
+    decisions = await placer.place([placer.query(p) for p in prompts])
+    counts = {w: sum(d is not None and d.placement.worker_id == w for d, _ in decisions) for w in ("w1", "w2", "w3")}
+    # w1 computes less of each (its cache is booked), so it may take one more.
+    assert sum(counts.values()) == 9 and all(2 <= n <= 4 for n in counts.values()), counts
+
+
 async def test_no_placement_without_agreeing_workers(client: aioredis.Redis) -> None:
     keys = _keys()
     placer = Placer(client, keys, MODEL, "cache_aware", 8.0)
