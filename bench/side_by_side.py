@@ -46,7 +46,7 @@ from bench.gpu_sampler import GPUSample, GPUSampler, trace_columns
 from bench.host import cpu_description
 from bench.model_folder import build_model_folder
 from bench.procs import ROOT
-from bench.product_bench import Clock
+from bench.product_bench import Clock, passthrough_env
 from bench.side_by_side_report import markdown_table, plot_path, plot_workload, ratios
 from bench.side_by_side_systems import (
     ENGINE,
@@ -290,7 +290,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     sizes = ap.add_argument_group("workload sizes (bench/side_by_side_workloads.py)")
     for f in dataclasses.fields(Sizes):
         sizes.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
-    args = ap.parse_args(argv)
+    args, extra = ap.parse_known_args(argv)
+    try:  # the rest are inferq's settings flags, for its offline child and serve alike
+        args.inferq_env = passthrough_env(extra)
+    except ValueError as exc:
+        ap.error(str(exc))
     args.systems = [s for s in args.systems.split(",") if s]
     args.workloads = [w for w in args.workloads.split(",") if w]
     bad = [s for s in args.systems if s not in SYSTEMS] + [w for w in args.workloads if w not in WORKLOADS]
@@ -339,9 +343,11 @@ def main(argv: list[str] | None = None) -> int:
         ctx = Context(model_dir=model_dir, work_dir=work, log_dir=args.log_dir, device=args.device,
                       vllm_site=args.vllm_site, gateway_workers=args.gateway_workers,
                       client_processes=args.client_processes, seed=args.seed,
-                      start_timeout_s=args.start_timeout_s, run_timeout_s=args.run_timeout_s)
+                      start_timeout_s=args.start_timeout_s, run_timeout_s=args.run_timeout_s,
+                      inferq_env=args.inferq_env)
         bench = Bench(args, ctx, argv)
         bench.res["settings"]["tokenizer_filler_tokens"] = num_fillers
+        bench.res["settings"]["inferq_env"] = args.inferq_env
         problem = vllm_site_problem(args.vllm_site)
         for system in args.systems:
             if problem and ENGINE[system] == "vllm":

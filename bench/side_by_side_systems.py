@@ -26,7 +26,7 @@ import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,9 @@ class Context:
     seed: int
     start_timeout_s: float
     run_timeout_s: float
+    #: ``INFERQ_*`` settings for inferq's offline child and ``serve`` (the command line's
+    #: inferq flags: ``product_bench.passthrough_env``), e.g. ``--itl-target-ms 30``.
+    inferq_env: dict[str, str] = field(default_factory=dict)
 
 
 def vllm_site_problem(site: Path) -> str | None:
@@ -149,7 +152,7 @@ def run_offline(system: str, workloads: Sequence[Workload], settings: Mapping[st
         proc = start_session([sys.executable, "-P", str(ROOT / "bench" / "vllm_offline_child.py"), str(spec_path)],
                              log, vllm_env(ctx.vllm_site, os.environ), ctx.work_dir)
     else:
-        proc = spawn(["-m", "bench.inferq_offline_child", str(spec_path)], log, die_with_parent=True)
+        proc = spawn(["-m", "bench.inferq_offline_child", str(spec_path)], log, ctx.inferq_env, die_with_parent=True)
     error = None
     try:
         proc.wait(timeout=timeout_s)
@@ -192,7 +195,8 @@ def serving(system: str, settings: Mapping[str, Any], ctx: Context) -> Iterator[
         finally:
             stop_session(proc)
         return
-    env = {"INFERQ_MAX_MODEL_LEN": str(settings["max_model_len"]), "INFERQ_METRICS_PORT": str(free_port()),
+    env = {**ctx.inferq_env, "INFERQ_MAX_MODEL_LEN": str(settings["max_model_len"]),
+           "INFERQ_METRICS_PORT": str(free_port()),
            "INFERQ_ENABLE_PREFIX_CACHING": "true" if settings["enable_prefix_caching"] else "false"}
     args = argparse.Namespace(device=ctx.device, gateway_workers=ctx.gateway_workers)
     proc = spawn(serve_argv(args, ctx.model_dir, settings["max_num_seqs"], port), log, env, die_with_parent=True)

@@ -246,6 +246,16 @@ def test_bad_selections_exit_with_a_message(capsys: pytest.CaptureFixture[str]) 
     assert "nope" in capsys.readouterr().err
 
 
+def test_inferq_settings_flags_pass_through_to_inferq_only() -> None:
+    """Flags the script does not know are inferq's settings, as ``INFERQ_*`` variables for
+    its offline child and ``serve`` (``Context.inferq_env``); a flag of neither is refused."""
+    args = side_by_side.parse_args(["--workloads", "short", "--itl-target-ms", "30", "--no-mixed-cuda-graphs"])
+    assert args.inferq_env == {"INFERQ_ITL_TARGET_MS": "30", "INFERQ_MIXED_CUDA_GRAPHS": "false"}
+    assert side_by_side.parse_args([]).inferq_env == {}
+    with pytest.raises(SystemExit):
+        side_by_side.parse_args(["--no-such-flag", "1"])
+
+
 # -- one tiny run on the CPU -------------------------------------------------------------------
 def integral(throughput: dict[str, Any]) -> float:
     """Tokens under the bins: each bin's tok/s times its width (the last may be shorter)."""
