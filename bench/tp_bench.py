@@ -40,8 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.engine_bench import CONTEXT, copy_bandwidth_bps, decode_step_ms
-from shared.model_source import DUMMY_CONFIGS, resolve_model
-from shared.settings import EngineSettings, ModelSettings
+from shared.model_source import DUMMY_CONFIGS
 from worker.llm import LLM
 
 BATCHES = (1, 64)
@@ -65,17 +64,10 @@ def run_one(model: str, tp: int, args: argparse.Namespace, copy_bps: float,
     settings = {"load_format": "dummy", "max_num_seqs": max(BATCHES), "max_model_len": MAX_MODEL_LEN,
                 "max_num_batched_tokens": 4096, "gpu_memory_utilization": args.gpu_memory_utilization,
                 "tensor_parallel_size": tp}
-    group = None
     t0 = time.perf_counter()
-    if tp > 1:
-        from worker.parallel.follower import start_for_engine
-
-        ms = ModelSettings(model=model, load_format="dummy", max_model_len=MAX_MODEL_LEN)
-        es = EngineSettings(**{k: v for k, v in settings.items() if k in EngineSettings.__dataclass_fields__})
-        group = start_for_engine(resolve_model(model, "dummy"), ms, es)
     llm = None
     try:
-        llm = LLM(model=model, **settings)
+        llm = LLM(model=model, **settings)  # at tp > 1 it starts its group (LLM.close stops it)
         runner = llm.engine.runner
         wb = weight_bytes(runner.model)
         kv_per_token = runner.model.shard_config.kv_bytes_per_token(runner.kv_caches[0][0].element_size())
@@ -93,9 +85,8 @@ def run_one(model: str, tp: int, args: argparse.Namespace, copy_bps: float,
         on_row(row)
         return row
     finally:
-        if group is not None:
-            sync = None if llm is None else llm.engine.runner.step_sync
-            group.close(sync.send_stop if sync is not None else None)
+        if llm is not None:
+            llm.close()
         del llm
         gc.collect()
         torch.cuda.empty_cache()

@@ -11,10 +11,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from worker.parallel.group import MULTICAST_OFF
+
 pytestmark = [pytest.mark.cuda]
 
 #: Multicast stays off in every process (docs/operations.md, "Tensor parallelism").
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+NO_MULTICAST = MULTICAST_OFF
 #: (rows, hidden) of decode-sized messages, one over a program's block count, one ragged.
 SHAPES = [(1, 4096), (7, 3584), (64, 8192), (33, 1000)]
 

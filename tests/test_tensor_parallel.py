@@ -40,6 +40,7 @@ from shared.sampling import SamplingParams, StructuredOutput
 from worker.models.config import ModelConfig
 from worker.models.llama import LlamaForCausalLM
 from worker.models.loader import load_hf_weights
+from worker.parallel.group import MULTICAST_OFF
 from worker.parallel.layers import ZERO, TensorParallelLM, shard_spec, tensor_slice
 
 HIDDEN, INTER, LAYERS, VOCAB, HEAD_DIM = 64, 96, 2, 251, 16
@@ -51,9 +52,9 @@ CPU_ENGINE = {**ENGINE, "max_num_batched_tokens": 32, "speculative_method": "ngr
 #: TP=2 sizes its cache from a byte budget instead: 2 layers x K and V x 16 tokens x 1 KV
 #: head of 16 float32 per rank = 4,096 bytes a block, so 128 blocks (64 for the full model).
 TP_KV_CACHE_BYTES, TP_NUM_BLOCKS = 128 * 4096, 128
-#: Set for every process the cuda tests start: no NVLink multicast (NVLS), which the
-#: lent GPU machines do not allow.
-NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+#: Set for every process the cuda tests start: no NVLink multicast (NVLS), as the worker
+#: sets it (``group.MULTICAST_OFF``).
+NCCL_ENV = MULTICAST_OFF
 PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 140)), [7, 7, 7]]
 #: The last request also scores its prompt and returns logprobs: more LM-head calls.
 PARAMS = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)] * 2 + [

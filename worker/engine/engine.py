@@ -277,10 +277,10 @@ class LLMEngine:
         this one's is the step's time as a decoding stream sees it, and goes into
         ``step_cost`` when the caller came back within ``MAX_STEP_GAP_S`` (the engine
         stayed busy; an idle engine's gap is no step's cost)."""
+        if self.engine_settings.itl_target_ms <= 0:
+            return self._step()
         called_s = time.perf_counter()
         outputs = self._step()
-        if self.engine_settings.itl_target_ms <= 0:
-            return outputs
         end_s = time.perf_counter()
         features, self._step_features = self._step_features, None
         last, self._last_step_end_s = self._last_step_end_s, end_s if features is not None else None

@@ -44,6 +44,9 @@ class CustomAllReduce:
     def __init__(self, group: dist.ProcessGroup, device: torch.device, max_bytes: int) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
+        from kernels.all_reduce import one_shot_all_reduce
+
+        self._kernel = one_shot_all_reduce
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.max_bytes = max_bytes
@@ -70,14 +73,14 @@ class CustomAllReduce:
         Raises:
             ValueError: ``x`` does not ``fit``.
         """
-        from kernels.all_reduce import one_shot_all_reduce
-
         if not self.fits(x):
             raise ValueError(f"{tuple(x.shape)} {x.dtype} does not fit the one-shot all-reduce")
-        n = x.numel()
-        self.buffer[:n * x.element_size()].view(x.dtype).copy_(x.view(-1))
-        return one_shot_all_reduce(x, self._buffer_ptrs, self._pad_ptrs, self._pad_bytes, self.rank,
-                                   self.world_size)
+        return self._reduce(x)
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """``__call__`` for an ``x`` known to fit."""
+        self.buffer[:x.numel() * x.element_size()].view(x.dtype).copy_(x.view(-1))
+        return self._kernel(x, self._buffer_ptrs, self._pad_ptrs, self._pad_bytes, self.rank, self.world_size)
 
 
 def install(group: dist.ProcessGroup, device: torch.device) -> CustomAllReduce | None:
@@ -133,6 +136,6 @@ def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor
     fits, else ``dist.all_reduce``); returns ``x``."""
     custom = _installed
     if custom is not None and custom.fits(x):
-        return custom(x)
+        return custom._reduce(x)
     dist.all_reduce(x, group=group)
     return x
