@@ -5,7 +5,8 @@ For each point (number of workers, ``--dispatch-policy``) it starts a fresh stac
 cache carries over: an embedded Redis, ``--gateways`` ``inferq gateway`` processes (own
 ports, the client round-robins over them) and N ``inferq worker`` processes (worker ``i``
 is ``w<i>``, with its own ``/metrics`` port and, with ``--cuda-devices``, its own GPU as
-``CUDA_VISIBLE_DEVICES``; one GPU each, no tensor parallelism, so no NCCL). One-worker
+``CUDA_VISIBLE_DEVICES``: one GPU each, or with ``--tensor-parallel-size N`` the next N, over
+which it leads its own group of ranks). One-worker
 points run once (placement has one choice). Each point sends a small unmeasured warm-up,
 then the workloads of ``--workloads`` in turn, the same prompts at every point
 (``bench/placement_workloads.py``: burst, multi_turn, shared_prefix, throughput; streamed
@@ -134,9 +135,9 @@ class BenchSettings:
         assert self.policies and set(self.policies) <= set(DISPATCH_POLICIES), \
             f"policies: some of {', '.join(DISPATCH_POLICIES)}"
         assert self.workloads and set(self.workloads) <= set(WORKLOADS), f"workloads: some of {', '.join(WORKLOADS)}"
-        devices = self.stack.cuda_devices
-        assert not devices or len(devices) >= max(self.worker_counts), \
-            f"--cuda-devices names {len(devices)} devices for up to {max(self.worker_counts)} workers"
+        devices, tp = self.stack.cuda_devices, self.stack.tensor_parallel_size
+        assert not devices or len(devices) >= tp * max(self.worker_counts), \
+            f"--cuda-devices names {len(devices)} devices for up to {max(self.worker_counts)} workers of {tp} GPUs"
 
     def points(self) -> list[tuple[int, str]]:
         """``(num_workers, policy)`` in run order: one point for one worker (the first
@@ -411,7 +412,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchSetting
     ap.add_argument("--tokenizer-dir", type=Path, help="tokenizer files for --model (default: the default model's)")
     ap.add_argument("--export-tokenizer", type=Path, metavar="DIR", help="only write the tokenizer files into DIR")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    ap.add_argument("--cuda-devices", type=parse_list, default=(), help="worker i gets CUDA_VISIBLE_DEVICES=device i")
+    ap.add_argument("--cuda-devices", type=parse_list, default=(),
+                    help="worker i gets CUDA_VISIBLE_DEVICES=device i (devices i*tp .. i*tp+tp-1 with tensor parallelism)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="inferq: GPUs per worker (each worker leads its own group of ranks)")
     ap.add_argument("--torch-threads", type=int, help="inferq on CPU: threads per worker (default cores // workers)")
     for f in dataclasses.fields(Sizes):
         ap.add_argument("--" + f.name.replace("_", "-"), type=type(f.default),
@@ -427,7 +431,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchSetting
     try:
         env = passthrough_env(extra)
         own = {"INFERQ_BACKEND", "INFERQ_DISPATCH_POLICY", "INFERQ_WORKER_ID", "INFERQ_METRICS_PORT",
-               "INFERQ_MAX_MODEL_LEN", "INFERQ_SIM_STEP_TIME_MS"}
+               "INFERQ_MAX_MODEL_LEN", "INFERQ_SIM_STEP_TIME_MS", "INFERQ_TENSOR_PARALLEL_SIZE"}
         assert not own & set(env), f"{', '.join(sorted(own & set(env)))}: set by the benchmark itself"
         assert not (args.model and args.model_folder), "give --model or --model-folder, not both"
         assert args.backend == "inferq" or not (args.model or args.model_folder), "--model: --backend inferq only"
@@ -444,7 +448,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchSetting
             num_kv_blocks=args.num_kv_blocks if args.num_kv_blocks is not None else sim * SIM_WORKER["num_kv_blocks"],
             max_model_len=sizes.max_total_len(args.workloads), sim_step_time_ms=args.sim_step_time_ms,
             sim_prefill_ms_per_token=args.sim_prefill_ms_per_token, model_folder=args.model_folder,
-            device=args.device, cuda_devices=args.cuda_devices, torch_threads=threads, env=env,
+            device=args.device, cuda_devices=args.cuda_devices,
+            tensor_parallel_size=args.tensor_parallel_size, torch_threads=threads, env=env,
             start_timeout_s=args.start_timeout_s, request_timeout_s=args.request_timeout_s, log_dir=args.log_dir)
         settings = BenchSettings(stack=stack, worker_counts=counts, policies=args.policies, workloads=args.workloads,
                                  sizes=sizes, session_ids=args.session_ids, seed=args.seed)

@@ -52,6 +52,8 @@ class StackConfig:
     load_format: str = "auto"
     device: str = "auto"
     cuda_devices: tuple[str, ...] = ()
+    #: GPUs per worker (``--tensor-parallel-size``): worker ``i`` gets ``cuda_devices[i*tp:(i+1)*tp]``
+    tensor_parallel_size: int = 1
     torch_threads: int = 1  # inferq on CPU: OMP_NUM_THREADS per worker
     env: Mapping[str, str] = field(default_factory=dict)
     start_timeout_s: float = 600.0
@@ -61,6 +63,8 @@ class StackConfig:
     def __post_init__(self) -> None:
         assert self.backend in ("sim", "inferq") and self.num_gateways >= 1
         assert self.max_num_seqs >= 0 and self.num_kv_blocks >= 0
+        assert self.tensor_parallel_size >= 1
+        assert self.tensor_parallel_size == 1 or self.backend == "inferq", "tensor parallelism: --backend inferq only"
         assert self.sim_step_time_ms >= 0
         if self.sim_prefill_ms_per_token is not None:
             assert self.sim_prefill_ms_per_token >= 0
@@ -71,7 +75,8 @@ class StackConfig:
     def worker_argv(self, i: int, metrics_port: int) -> tuple[list[str], dict[str, str]]:
         """Flags and extra environment of worker ``i``."""
         argv = ["--backend", self.backend, "--worker-id", f"w{i}", "--metrics-port", str(metrics_port),
-                "--max-model-len", str(self.max_model_len), "--tensor-parallel-size", "1", "--log-level", "warning"]
+                "--max-model-len", str(self.max_model_len), "--tensor-parallel-size", str(self.tensor_parallel_size),
+                "--log-level", "warning"]
         if self.model_folder is not None:
             argv += ["--model", str(self.model_folder), "--load-format", self.load_format]
         if self.max_num_seqs:
@@ -86,7 +91,8 @@ class StackConfig:
             if self.sim_prefill_ms_per_token is not None:
                 argv += ["--sim-prefill-ms-per-token", str(self.sim_prefill_ms_per_token)]
         elif self.cuda_devices:
-            env["CUDA_VISIBLE_DEVICES"] = self.cuda_devices[i]
+            tp = self.tensor_parallel_size
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.cuda_devices[i * tp:(i + 1) * tp])
         else:
             env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(self.torch_threads)
         return argv, env

@@ -182,3 +182,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # No interpreter teardown after NCCL groups (docs/architecture.md, "Stopping"): its C++
+    # destructors could abort the process after the results are written.
+    from worker.parallel.group import exit_process
+
+    exit_process(0)

@@ -26,7 +26,9 @@ from shared.model_source import DUMMY_CONFIGS
 from shared.sampling import SamplingParams
 from worker.llm import LLM
 from worker.models.fp8 import (
+    BLOCK_SCALED_MM_K,
     GEMV_MAX_ROWS,
+    W8A8_MAX_ROWS,
     W8A8_MIN_ROWS,
     fp8_linear,
     fp8_linear_ref,
@@ -130,10 +132,10 @@ def test_down_projection_quantizes_as_it_computes_its_input() -> None:
     from worker.models.linear import Linear
 
     torch.manual_seed(0)
-    down = Linear(256, 128, bias=True).to("cuda", torch.bfloat16)
+    down = Linear(BLOCK_SCALED_MM_K, 128, bias=True).to("cuda", torch.bfloat16)  # _scaled_mm's K above 64 rows
     down.to_fp8("block")
     for rows in (W8A8_MIN_ROWS - 1, W8A8_MIN_ROWS, GEMV_MAX_ROWS + 1, 100):
-        gate_up = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+        gate_up = torch.randn(rows, 2 * BLOCK_SCALED_MM_K, device="cuda", dtype=torch.bfloat16)
         assert takes_group_quantized_input(rows, down.weight, down.weight_scale) == (rows >= W8A8_MIN_ROWS)
         torch.testing.assert_close(down.forward_silu_and_mul(gate_up), down(silu_and_mul(gate_up)), rtol=0, atol=0)
 
@@ -155,6 +157,23 @@ def test_scaled_mm_matches_reference(rows: int, scheme: str) -> None:
     out, ref = fp8_linear(x, w, w_scale, bias), fp8_linear_ref(x, w, w_scale, bias)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 1024)
     torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("rows", [40, 100, 300])
+@pytest.mark.parametrize("k", [256, 768, 1792, 9472, 3584])
+def test_block_products_match_reference_at_every_k(k: int, rows: int) -> None:
+    """128x128-block weights whose K is not a multiple of ``BLOCK_SCALED_MM_K`` (cuBLASLt's
+    block-scaled GEMM sums them wrongly: at K 256 the product was off by 20x, at 1792 by
+    10%; a row-parallel shard at TP=2 has such K) and one whose K is (3584), at rows that
+    take each path: the W8A8 kernel (40), and above ``W8A8_MAX_ROWS`` ``_scaled_mm`` or the
+    dequantized weight, each on the input rounded per 1x128 group as the reference rounds
+    it: within 1% of it (unrounded input was 2.6% off, a wrong sum 7% or more)."""
+    torch.manual_seed(k + rows)
+    w, w_scale = quantize_weight(torch.randn(1024, k, device="cuda", dtype=torch.bfloat16) * 0.02, "block")
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    out, ref = fp8_linear(x, w, w_scale).float(), fp8_linear_ref(x.float(), w, w_scale).float()
+    assert float((out - ref).norm() / ref.norm()) < 0.01
+    assert takes_group_quantized_input(rows, w, w_scale) == (rows <= W8A8_MAX_ROWS or k % BLOCK_SCALED_MM_K == 0)
 
 
 @pytest.mark.parametrize("scheme", ["block", "channel"])

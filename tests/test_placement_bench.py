@@ -120,6 +120,22 @@ def test_points_run_one_worker_once() -> None:
         placement_bench.parse_args(["--workers", "1,2", "--cuda-devices", "0"])
 
 
+def test_tensor_parallel_workers_get_their_own_gpus() -> None:
+    """``--tensor-parallel-size 2``: worker ``i`` leads a group over GPUs ``2i`` and ``2i+1``,
+    and four devices are too few for three such workers."""
+    argv = ["--backend", "inferq", "--workers", "1,2", "--cuda-devices", "0,1,2,3", "--tensor-parallel-size", "2"]
+    _, settings, _ = placement_bench.parse_args(argv)
+    assert settings is not None
+    flags, env = settings.stack.worker_argv(1, 9000)
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert flags[flags.index("--tensor-parallel-size") + 1] == "2"
+    assert settings.stack.worker_argv(0, 9000)[1]["CUDA_VISIBLE_DEVICES"] == "0,1"
+    with pytest.raises(SystemExit):
+        placement_bench.parse_args([*argv[:3], "1,3", *argv[4:]])
+    with pytest.raises(SystemExit):
+        placement_bench.parse_args(["--workers", "1,2", "--tensor-parallel-size", "2"])  # sim workers
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sim_run_writes_sane_result(tmp_path: Path) -> None:

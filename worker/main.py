@@ -68,7 +68,7 @@ async def serve_worker(worker: WorkerSettings, redis_settings: RedisSettings, mo
     except Exception as exc:  # any start-up failure: one line (the traceback at debug level)
         engine_thread.close()
         if tp is not None:
-            tp.close()
+            tp.close(abort=False)  # the process ends next (worker.cli: exit_process)
         raise start_error(exc) from exc
     client = connect(redis_settings.redis_url, health_check_interval=10)
     service = Worker(client, Keys(redis_settings.namespace), served_model_name(model, source),
@@ -120,8 +120,8 @@ async def serve_worker(worker: WorkerSettings, redis_settings: RedisSettings, mo
                 # not wait for it), from the thread that issues all of rank 0's.
                 stop = None if sync is None else engine_thread.submit(sync.send_stop).result
             engine_thread.close()
-            if tp is not None:
-                tp.close(stop)
+            if tp is not None:  # the process ends next (worker.cli: exit_process), its communicators with it
+                tp.close(stop, abort=False)
 
 
 async def block_size_conflict(client: AsyncClient, keys: Keys, model: str, block_size: int) -> str | None:

@@ -140,7 +140,7 @@ class ModelRunner:
         if self.tp is not None:
             num_blocks = self.tp.min_int(num_blocks)
             if device.type == "cuda" and settings.custom_all_reduce:  # collective: every rank, here
-                all_reduce.install(self.tp.group, self.tp.device)
+                all_reduce.install(self.tp.group, self.tp.device, first_group=tp_group.groups_joined() == 1)
         self.step_sync: StepSync | None = None  # rank 0 of a group: announces each model call
         #: Checked between the layers of an eager step (``LlamaForCausalLM.forward``'s
         #: ``stop``) and between the pieces of a replayed one (``finish_pieces``); set by

@@ -92,6 +92,15 @@ GEMV_MAX_ROWS = 32
 #: kernel stays (no quantization launch, inputs unrounded).
 W8A8_MIN_ROWS = 17
 W8A8_MAX_ROWS = MAX_ROWS
+#: cuBLASLt's 1x128 x 128x128 block-scaled FP8 GEMM (``torch._scaled_mm`` with ``[M, K / 128]``
+#: and ``[K / 128, N / 128]`` scales) returns wrong sums, with no error, unless K is a
+#: multiple of this: on an H200 with torch 2.11 (CUDA 13), 2026-11-28, K of 512, 1024,
+#: 1536, 2048, 2560, 3584 and 4608 matched the reference within bf16 rounding, and K of
+#: 128-896, 1152, 1280, 1792 and 9472 were off by 7% to 1e8 (NaN once), whatever N and M.
+#: Such K (Gemma-3-12B's hidden size 3840; Qwen2.5-7B's row-parallel products at TP=2,
+#: 1792 and 9472 columns) keep the W8A8 kernel up to ``W8A8_MAX_ROWS`` rows and take the
+#: dequantized weight above (``fp8_linear``).
+BLOCK_SCALED_MM_K = 4 * FP8_BLOCK
 
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -150,7 +159,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     """``x @ dequant(weight).T + bias`` with ``x [M, K]`` (bfloat16 or float16): on CUDA
     ``fp8_gemv`` up to ``GEMV_MAX_ROWS`` rows (``block`` weights: up to 16), else on
     quantized activations ``fp8_gemv`` (``block`` weights, up to ``W8A8_MAX_ROWS`` rows)
-    or ``torch._scaled_mm`` (module docstring); ``fp8_linear_ref`` off CUDA.
+    or ``torch._scaled_mm`` (module docstring; for ``block`` weights whose K it sums
+    wrongly, ``BLOCK_SCALED_MM_K``, the dequantized weight on the rounded input);
+    ``fp8_linear_ref`` off CUDA.
 
     Args:
         weight: ``[N, K]`` float8_e4m3fn, row-major (``_scaled_mm`` takes its transpose,
@@ -169,13 +180,20 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         # as cuBLASLt's block scaling wants them: the quantizer writes them so.
         q, scale = quantize_groups(x.contiguous(), pad_rows_to=block_input_padding(m), scales_column_major=True)
         return block_product(q, scale, weight, weight_scale, m, bias, x.dtype)
+    if weight_scale.dim() == 2 and m > W8A8_MAX_ROWS and block_mm_fits(*weight.shape):
+        # K not a multiple of BLOCK_SCALED_MM_K: the dequantized weight, on the input rounded
+        # per 1x128 group as _scaled_mm's input would be (so a row-parallel shard of such K
+        # rounds as TP=1 does with its full K, which _scaled_mm takes).
+        q, scale = quantize_groups(x.contiguous())
+        x_rounded = (q.float() * scale.repeat_interleave(FP8_BLOCK, 1)).to(x.dtype)
+        return F.linear(x_rounded, dequantize_weight(weight, weight_scale, x.dtype), bias)
     if m <= GEMV_MAX_ROWS:
         return fp8_gemv(x, weight, weight_scale, bias)
     if weight_scale.dim() == 1:
         q, scale = quantize_rows(x.contiguous())
         out = torch._scaled_mm(q, weight.T, scale_a=scale, scale_b=weight_scale.view(1, -1),
                                out_dtype=torch.bfloat16)
-    else:  # block scales on dims that are not multiples of 128
+    else:  # block scales where _scaled_mm cannot take them (dims, BLOCK_SCALED_MM_K)
         return F.linear(x, dequantize_weight(weight, weight_scale, x.dtype), bias)
     out = out if x.dtype == torch.bfloat16 else out.to(x.dtype)
     return out if bias is None else out + bias
@@ -184,11 +202,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 def takes_group_quantized_input(rows: int, weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
     """Whether ``fp8_linear`` runs a product of ``rows`` rows by this FP8 weight as
     ``block_product`` of 1x128-group-quantized input (CUDA, the ``block`` layout, dims
-    multiples of ``FP8_BLOCK``, at least ``W8A8_MIN_ROWS`` rows): a caller that can quantize
-    the input as it computes it (``kernels.silu_and_mul.silu_and_mul_fp8``) may call
-    ``block_product`` itself and skip writing the bfloat16 input."""
+    multiples of ``FP8_BLOCK``, at least ``W8A8_MIN_ROWS`` rows, and above ``W8A8_MAX_ROWS``
+    rows K a multiple of ``BLOCK_SCALED_MM_K``): a caller that can quantize the input as it
+    computes it (``kernels.silu_and_mul.silu_and_mul_fp8``) may call ``block_product``
+    itself and skip writing the bfloat16 input."""
     return (weight.is_cuda and weight_scale.dim() == 2 and rows >= W8A8_MIN_ROWS
-            and block_mm_fits(weight.shape[0], weight.shape[1]))
+            and block_mm_fits(weight.shape[0], weight.shape[1])
+            and (rows <= W8A8_MAX_ROWS or weight.shape[1] % BLOCK_SCALED_MM_K == 0))
 
 
 def block_input_padding(rows: int) -> int:

@@ -83,15 +83,25 @@ class CustomAllReduce:
         return self._kernel(x, self._buffer_ptrs, self._pad_ptrs, self._pad_bytes, self.rank, self.world_size)
 
 
-def install(group: dist.ProcessGroup, device: torch.device) -> CustomAllReduce | None:
+def install(group: dist.ProcessGroup, device: torch.device, first_group: bool = True) -> CustomAllReduce | None:
     """Set up the one-shot all-reduce for this process's tensor-parallel ``group`` on CUDA
     (every rank calls it at the same point); None, logged, where it cannot run (not
     CUDA, a world size without a ``MAX_BYTES`` entry, GPUs without peer access, no
-    symmetric memory): ``all_reduce`` then takes NCCL for everything."""
+    symmetric memory, or a rank whose process had a group before, ``first_group`` False):
+    ``all_reduce`` then takes NCCL for everything.
+
+    The last case is a process that builds a second engine after closing the first (tests,
+    benchmarks; a worker has one group): on 2 H200s (2026-11-28) its rendezvous of the
+    peer buffers waited forever for the new followers, which had joined theirs under
+    other keys (torch names a process's groups in the order it makes them).
+    """
     global _installed
     _installed = None
     world = dist.get_world_size(group)
     if device.type != "cuda" or world not in MAX_BYTES:
+        return None
+    if not _all_agree(first_group, group, device):
+        log.info("tensor parallel: a second group in this process; all-reduce through NCCL only")
         return None
     # Rank r runs on GPU r (worker/parallel/group.py). Every rank must decide alike, or
     # one would wait in the kernel for a peer that went to NCCL: the ranks agree first.

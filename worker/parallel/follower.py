@@ -22,13 +22,6 @@ from worker.parallel.step_sync import OP_DECODE, OP_FORWARD, OP_LOGITS, OP_STOP,
 
 log = logging.getLogger(__name__)
 
-#: FP8 weights under tensor parallelism serve TP=1's tokens on the CPU (gloo), but on 2
-#: H200s the first step's logits of TP=2 differed from TP=1's as much as FP8's from
-#: bfloat16's (tests/test_tp_fp8.py, its cuda test): refused on CUDA until that is found.
-FP8_ON_CUDA_REFUSED = ("--quantization fp8 with --tensor-parallel-size is not supported on CUDA yet: its tokens "
-                       "differed from one GPU's in testing (docs/operations.md, \"FP8 weights\")")
-
-
 def start_for_engine(source: ModelSource, model: ModelSettings, engine: EngineSettings,
                      **kwargs: Any) -> tp_group.TPGroup:
     """Rank 0: start a group of ``engine.tensor_parallel_size`` ranks for ``source``
@@ -37,8 +30,8 @@ def start_for_engine(source: ModelSource, model: ModelSettings, engine: EngineSe
     Raises:
         ValueError: the model does not split (``layers.shard_spec``; checked here, before
             any process starts), nor its FP8 scales (``fp8_shards.check_fp8_shards``), a
-            checkpoint quantization that cannot load, FP8 weights on CUDA
-            (``FP8_ON_CUDA_REFUSED``), a draft-model proposer, or more ranks than GPUs.
+            checkpoint quantization that cannot load, a draft-model proposer, or more
+            ranks than GPUs.
     """
     from worker.engine.engine import resolve_device
     from worker.models.config import ModelConfig
@@ -53,10 +46,8 @@ def start_for_engine(source: ModelSource, model: ModelSettings, engine: EngineSe
         check_fp8_shards(cfg, engine.tensor_parallel_size, fp8_layout(prequantized, source.dummy))
     if engine.speculative_method == "draft":  # the draft model would be built unsharded on rank 0 only
         raise ValueError("--speculative-method draft is not supported with --tensor-parallel-size (ngram is)")
-    device = resolve_device(model.device)
-    if quantization == "fp8" and device.type == "cuda":
-        raise ValueError(FP8_ON_CUDA_REFUSED)
-    return tp_group.start(engine.tensor_parallel_size, device, follower_main, (source, model, engine), **kwargs)
+    return tp_group.start(engine.tensor_parallel_size, resolve_device(model.device), follower_main,
+                          (source, model, engine), **kwargs)
 
 
 def follower_main(rank: int, world_size: int, port: int, device: torch.device, source: ModelSource,
