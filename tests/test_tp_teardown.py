@@ -285,6 +285,8 @@ def test_close_without_abort_leaves_the_communicators_to_the_exit(caplog: pytest
         assert follower.exitcode == 0 and tp_group.current() is None
         assert torch.distributed.is_initialized()  # left to the exit
         assert "aborting" not in caplog.text
+        with pytest.raises(RuntimeError, match="not aborted yet"):  # said, not "initialized twice" from torch
+            tp_group.start(2, torch.device("cpu"), _follower, (False,), on_death=lambda: None)
     finally:
         tp_group.abort_group()  # this test process goes on: leave the group as LLM.close does
     assert not torch.distributed.is_initialized()

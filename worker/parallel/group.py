@@ -275,7 +275,9 @@ def start(world_size: int, device: torch.device, follower_main: Callable[..., No
 
     Raises:
         ValueError: ``world_size`` < 2, or more than the visible GPUs on CUDA.
-        RuntimeError: a group already exists in this process.
+        RuntimeError: a group already exists in this process, or the communicators of
+            one it closed are not yet aborted (``close(abort=False)``, or an abort past
+            ``ABORT_TIMEOUT_S``).
     """
     if world_size < 2:
         raise ValueError(f"tensor parallel size {world_size}: a group needs at least 2 ranks")
@@ -283,6 +285,9 @@ def start(world_size: int, device: torch.device, follower_main: Callable[..., No
         raise ValueError(f"tensor parallel size {world_size} > {torch.cuda.device_count()} visible GPUs")
     if _current is not None:
         raise RuntimeError("a tensor-parallel group already runs in this process")
+    if dist.is_initialized():
+        raise RuntimeError("the communicators of this process's last tensor-parallel group are not aborted yet; "
+                           "start the next group in a new process")
     if device.type == "cuda":  # before NCCL starts here, and inherited by the followers
         for name, value in MULTICAST_OFF.items():
             os.environ.setdefault(name, value)
