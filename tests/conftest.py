@@ -1,6 +1,7 @@
 """Shared fixtures: the real SmolLM2 model (float32, CPU), one offline engine of it for the
-session, one serving stack of it (gateway + worker processes) for the session, and a real
-redis-server."""
+session, one serving stack of it (gateway + worker processes) for the session, a real
+redis-server, and the gateway harness of tests/gateway_harness.py (``harness``,
+``harness_redis``, ``source``, ``tokenizer``, ``gateway_settings``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,14 @@ from typing import Any
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tests.gateway_harness import (  # noqa: F401 - fixtures, registered here for every module
+    gateway_settings,
+    harness,
+    harness_redis,
+    source,
+    tokenizer,
+)
 
 _PREBUILD = pytest.StashKey[Any]()
 

@@ -13,7 +13,6 @@ prompt tokens the worker found in its prefix cache, as OpenAI and vLLM report th
   stream's usage chunk.
 """
 
-# ruff: noqa: F811 - pytest fixtures imported from the harness are redefined as parameters
 from __future__ import annotations
 
 import time
@@ -25,15 +24,7 @@ import pytest
 
 from shared import protocol
 from shared.protocol import GenerateRequest, TokenBatch, TokenOutput
-from tests.test_gateway_harness import (  # noqa: F401 - fixtures are used by name
-    MODEL,
-    FakeWorker,
-    gateway_settings,
-    harness,
-    redis_server,
-    source,
-    tokenizer,
-)
+from tests.gateway_harness import MODEL, FakeWorker
 from tests.test_relay_batches import Requests
 
 pytestmark = pytest.mark.timeout(120)

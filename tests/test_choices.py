@@ -2,12 +2,11 @@
 requests, the merged body and stream, all-or-nothing admission, limits.
 
 Most tests run the real gateway against a real Redis and the in-test worker of
-test_gateway_harness.py, which answers each child with a text naming its prompt and seed
+gateway_harness.py, which answers each child with a text naming its prompt and seed
 (so a choice's text says which child produced it); the ``smollm_stack`` tests run the real
 model behind ``inferq gateway`` + ``inferq worker`` and use the official ``openai`` client.
 """
 
-# ruff: noqa: F811 - pytest fixtures imported from the harness are redefined as parameters
 from __future__ import annotations
 
 import asyncio
@@ -23,16 +22,7 @@ from shared import protocol
 from shared.protocol import ErrorMessage, GenerateRequest, TokenBatch, TokenLogprobs, TokenOutput
 from shared.sampling import SamplingParams
 from shared.settings import GatewaySettings
-from tests.test_gateway_harness import (  # noqa: F401 - fixtures are used by name
-    MODEL,
-    FakeWorker,
-    gateway_settings,
-    harness,
-    redis_server,
-    source,
-    sse_events,
-    tokenizer,
-)
+from tests.gateway_harness import MODEL, FakeWorker, sse_events
 
 pytestmark = pytest.mark.timeout(120)
 

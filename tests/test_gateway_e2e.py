@@ -1,7 +1,6 @@
 """End-to-end happy paths of the gateway: both endpoints, streaming and not, stop strings,
-multi-byte characters, token ordering (fixtures: test_gateway_harness.py)."""
+multi-byte characters, token ordering (fixtures: gateway_harness.py)."""
 
-# ruff: noqa: F811 - pytest fixtures imported from the harness are redefined as parameters
 from __future__ import annotations
 
 import asyncio
@@ -12,18 +11,7 @@ import pytest
 
 from shared import protocol
 from shared.protocol import TokenBatch, TokenOutput
-from tests.test_gateway_harness import (  # noqa: F401 - fixtures are used by name
-    ANSWER,
-    MODEL,
-    FakeWorker,
-    answer_tokens,
-    gateway_settings,
-    harness,
-    redis_server,
-    source,
-    sse_events,
-    tokenizer,
-)
+from tests.gateway_harness import ANSWER, MODEL, answer_tokens, sse_events
 
 pytestmark = pytest.mark.timeout(60)
 

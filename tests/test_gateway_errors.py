@@ -1,6 +1,5 @@
-"""Every error status the gateway answers, end to end (fixtures: test_gateway_harness.py)."""
+"""Every error status the gateway answers, end to end (fixtures: gateway_harness.py)."""
 
-# ruff: noqa: F811 - pytest fixtures imported from the harness are redefined as parameters
 from __future__ import annotations
 
 import asyncio
@@ -15,18 +14,7 @@ from shared import protocol
 from shared.keys import CONSUMER_GROUP, STREAM_FIELD
 from shared.protocol import ErrorMessage
 from shared.settings import GatewaySettings
-from tests.test_gateway_harness import (  # noqa: F401 - fixtures are used by name
-    ANSWER,
-    MODEL,
-    FakeWorker,
-    answer_tokens,
-    gateway_settings,
-    harness,
-    redis_server,
-    source,
-    sse_events,
-    tokenizer,
-)
+from tests.gateway_harness import ANSWER, MODEL, FakeWorker, sse_events
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,5 +1,5 @@
 """Fuzz the gateway's published OpenAPI schema with schemathesis (issue 4): against the
-live harness gateway (fixtures: test_gateway_harness.py), no request may get a 5xx, hang,
+live harness gateway (fixtures: gateway_harness.py), no request may get a 5xx, hang,
 or an answer that its operation does not document; negative (schema-violating) requests
 must be refused. Generated headers use every Latin-1 character, so non-ASCII
 ``X-Request-Id`` and other header values are sent too, and the parameterless GETs are
@@ -11,7 +11,6 @@ that pass validation are enqueued and answered by the FakeWorker; half of the ge
 bodies get the served model's name, or nearly all would stop at the 404.
 """
 
-# ruff: noqa: F811 - pytest fixtures imported from the harness are redefined as parameters
 from __future__ import annotations
 
 import asyncio
@@ -32,14 +31,7 @@ from schemathesis.checks import (
 )
 
 from shared.settings import GatewaySettings
-from tests.test_gateway_harness import (  # noqa: F401 - fixtures are used by name
-    MODEL,
-    gateway_settings,
-    harness,
-    redis_server,
-    source,
-    tokenizer,
-)
+from tests.gateway_harness import MODEL
 
 pytestmark = pytest.mark.timeout(90)
 

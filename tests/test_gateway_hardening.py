@@ -2,11 +2,10 @@
 bound, list limits, strict types), auth that never 500s, /metrics behind the API key, the
 request-id pattern matched whole, and prompt encoding that never stalls other streams.
 
-In-process tests use the harness (test_gateway_harness.py: real Redis, uvicorn, a
+In-process tests use the harness (gateway_harness.py: real Redis, uvicorn, a
 FakeWorker) with a tokenizer that counts encodes; the stream-gap test starts a real
 gateway and a ``--backend sim`` worker as processes."""
 
-# ruff: noqa: F811 - pytest fixtures imported from the harness are redefined as parameters
 from __future__ import annotations
 
 import asyncio
@@ -29,14 +28,7 @@ from gateway.schemas import MAX_NUM_MESSAGES, MAX_NUM_STOP_TOKEN_IDS, MAX_STOP_S
 from gateway.tokenize import TokenizerWorker, max_token_chars
 from shared.settings import GatewaySettings
 from tests import processes
-from tests.test_gateway_harness import (  # noqa: F401 - fixtures are used by name
-    ANSWER,
-    MODEL,
-    gateway_settings,
-    harness,
-    redis_server,
-    source,
-)
+from tests.gateway_harness import ANSWER, MODEL
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,8 +1,7 @@
-"""Logprobs through the gateway (fixtures: test_gateway_harness.py): the OpenAI objects of
+"""Logprobs through the gateway (fixtures: gateway_harness.py): the OpenAI objects of
 both endpoints, streaming and not, read with the official ``openai`` client; token texts
 and bytes; the 400s."""
 
-# ruff: noqa: F811 - pytest fixtures imported from the harness are redefined as parameters
 from __future__ import annotations
 
 import openai
@@ -11,16 +10,7 @@ import pytest
 from gateway.logprobs import TokenTexts
 from shared import protocol
 from shared.protocol import GenerateRequest, TokenBatch, TokenLogprobs, TokenOutput
-from tests.test_gateway_harness import (  # noqa: F401 - fixtures are used by name
-    ANSWER,
-    MODEL,
-    FakeWorker,
-    gateway_settings,
-    harness,
-    redis_server,
-    source,
-    tokenizer,
-)
+from tests.gateway_harness import ANSWER, MODEL, FakeWorker
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -5,7 +5,6 @@ by the ready workers' value, falls back to its own, caps it with an explicit
 ``--max-model-len``, and ``/ready`` answers 503 ``workers_disagree`` while they disagree.
 """
 
-# ruff: noqa: F811 - pytest fixtures imported from the harness are redefined as parameters
 from __future__ import annotations
 
 import asyncio
@@ -39,14 +38,7 @@ from shared.model_source import (
 from shared.protocol import WorkerStatus
 from shared.settings import EngineSettings, GatewaySettings, ModelSettings, RedisSettings
 from tests import processes
-from tests.test_gateway_harness import (  # noqa: F401 - fixtures are used by name
-    MODEL,
-    FakeWorker,
-    Harness,
-    redis_server,
-    source,
-    tokenizer,
-)
+from tests.gateway_harness import MODEL, FakeWorker, Harness
 from worker.backends.factory import create_backend
 
 pytestmark = pytest.mark.timeout(240)

@@ -1,9 +1,8 @@
 """Priority classes at the gateway (gateway/priority.py): the header and vLLM's body
 field, their mapping onto the class a request is queued in, and 400s for bad values.
-The gateway under uvicorn with the fake worker (fixtures: test_gateway_harness.py), which
+The gateway under uvicorn with the fake worker (fixtures: gateway_harness.py), which
 pulls from every class and tenant stream as a worker does."""
 
-# ruff: noqa: F811 - pytest fixtures imported from the harness are redefined as parameters
 from __future__ import annotations
 
 import pytest
@@ -11,14 +10,7 @@ import redis.asyncio as aioredis
 
 from gateway.metrics import MAX_TENANT_LABELS, OTHER_TENANT, GatewayMetrics
 from gateway.priority import class_of_priority
-from tests.test_gateway_harness import (  # noqa: F401 - fixtures are used by name
-    MODEL,
-    gateway_settings,
-    harness,
-    redis_server,
-    source,
-    tokenizer,
-)
+from tests.gateway_harness import MODEL
 
 pytestmark = pytest.mark.timeout(60)
 

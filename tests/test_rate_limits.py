@@ -1,10 +1,9 @@
 """Rate limits per tenant (gateway/rate_limits.py) and the tenant of a request
 (gateway/tenants.py): the gateway under uvicorn with a fake worker and a real Redis
-(fixtures: test_gateway_harness.py), and two gateways on one Redis under a burst and
+(fixtures: gateway_harness.py), and two gateways on one Redis under a burst and
 naming keys alike. A batch's lines under its owner's limits end to end:
 tests/test_tenants.py."""
 
-# ruff: noqa: F811 - pytest fixtures imported from the harness are redefined as parameters
 from __future__ import annotations
 
 import asyncio
@@ -30,16 +29,7 @@ from gateway.tenants import ANONYMOUS, Tenants, tenant_id, tenant_of
 from shared.keys import Keys
 from shared.server_secret import BATCH_TENANT_HEADER, batch_credential
 from shared.settings import GatewaySettings, ModelSettings, RedisSettings, SettingsError
-from tests.test_gateway_harness import (  # noqa: F401 - fixtures are used by name
-    MODEL,
-    FakeWorker,
-    gateway_settings,
-    harness,
-    redis_server,
-    source,
-    sse_events,
-    tokenizer,
-)
+from tests.gateway_harness import MODEL, FakeWorker, sse_events
 
 pytestmark = pytest.mark.timeout(60)
 

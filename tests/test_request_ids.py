@@ -1,9 +1,8 @@
 """Client request ids (``X-Request-Id``, gateway/request_ids.py): reserved while a request
 runs (409 for a second one of the same tenant), free again as soon as it ends, whether
 it finished, failed on the worker or lost its client; each tenant's ids are its own; on
-the wire the id carries a random suffix (fixtures: test_gateway_harness.py)."""
+the wire the id carries a random suffix (fixtures: gateway_harness.py)."""
 
-# ruff: noqa: F811 - pytest fixtures imported from the harness are redefined as parameters
 from __future__ import annotations
 
 import asyncio
@@ -15,16 +14,7 @@ import pytest
 from shared import protocol
 from shared.protocol import ErrorMessage, GenerateRequest
 from shared.settings import GatewaySettings
-from tests.test_gateway_harness import (  # noqa: F401 - fixtures are used by name
-    ANSWER,
-    MODEL,
-    FakeWorker,
-    answer_tokens,
-    harness,
-    redis_server,
-    source,
-    tokenizer,
-)
+from tests.gateway_harness import ANSWER, MODEL, FakeWorker, answer_tokens
 
 pytestmark = pytest.mark.timeout(60)
 BODY = {"model": MODEL, "prompt": "hello", "max_tokens": 8}

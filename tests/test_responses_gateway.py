@@ -1,6 +1,6 @@
 """The Responses API at the gateway (gateway/responses_api.py), against the test harness:
 a real gateway under uvicorn, a real Redis, and a scripted worker whose output is known
-(tests/test_gateway_harness.py), through the official ``openai`` client.
+(tests/gateway_harness.py), through the official ``openai`` client.
 
 What needs a known output: text and tool calls become items in the order written, the
 same in one body and in a stream; a stream's events come in OpenAI's order, numbered,
@@ -10,7 +10,6 @@ reaches the worker as the prompt and sampling parameters of its chat equivalent 
 chat path runs it), and bad bodies are 400s naming the Responses field. The real model,
 several gateways and tenants: tests/test_responses_e2e.py."""
 
-# ruff: noqa: F811 - pytest fixtures imported from the harness are redefined as parameters
 from __future__ import annotations
 
 import asyncio
@@ -23,16 +22,7 @@ from pydantic import TypeAdapter
 
 from shared import protocol
 from shared.protocol import ErrorMessage
-from tests.test_gateway_harness import (  # noqa: F401 - fixtures are used by name
-    ANSWER,
-    MODEL,
-    answer_tokens,
-    gateway_settings,
-    harness,
-    redis_server,
-    source,
-    tokenizer,
-)
+from tests.gateway_harness import ANSWER, MODEL, answer_tokens
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,7 +1,6 @@
 """``GET /stats`` (gateway/stats.py) end to end: the gateway under uvicorn, a real Redis and
-the harness's FakeWorker (fixtures: test_gateway_harness.py)."""
+the harness's FakeWorker (fixtures: gateway_harness.py)."""
 
-# ruff: noqa: F811 - pytest fixtures imported from the harness are redefined as parameters
 from __future__ import annotations
 
 import asyncio
@@ -15,14 +14,7 @@ from shared.batch_store import BatchStore
 from shared.keys import CONSUMER_GROUP, HEARTBEAT_TTL_S, STREAM_FIELD
 from shared.protocol import WorkerStatus
 from shared.settings import GatewaySettings
-from tests.test_gateway_harness import (  # noqa: F401 - fixtures are used by name
-    MODEL,
-    gateway_settings,
-    harness,
-    redis_server,
-    source,
-    tokenizer,
-)
+from tests.gateway_harness import MODEL
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -57,7 +49,7 @@ async def test_stats_lists_worker_streams_batches_and_gateway(harness, tmp_path)
     body = r.json()
     assert body["namespace"] == harness.keys.namespace
     workers = {w["worker_id"]: w for w in body["workers"]}
-    worker = workers["w1"]  # the FakeWorker's heartbeat (test_gateway_harness.py)
+    worker = workers["w1"]  # the FakeWorker's heartbeat (gateway_harness.py)
     assert worker == {**worker, "worker_id": "w1", "model": MODEL, "backend": "fake", "alive": True,
                       "stalled": False, "num_running": 0, "num_waiting": 0, "kv_usage": 0.0,
                       "num_free_blocks": 100, "max_num_seqs": 8, "num_steps": 0, "last_step_age_s": None}

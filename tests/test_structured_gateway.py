@@ -3,10 +3,9 @@ for a structured output reaches the worker as the right ``StructuredOutput``; ba
 are 400s naming the field, with nothing written to the request stream; ``logit_bias``
 (wire form, validation, and the sampler on the CPU); ``GET /v1/models/{id}``; vLLM's
 ``/tokenize`` and ``/detokenize`` with the real tokenizer (fixtures:
-test_gateway_harness.py, a fake worker on a real Redis that records each request).
+gateway_harness.py, a fake worker on a real Redis that records each request).
 """
 
-# ruff: noqa: F811 - pytest fixtures imported from the harness are redefined as parameters
 from __future__ import annotations
 
 import functools
@@ -20,15 +19,7 @@ import torch
 
 from gateway import structured as gateway_structured
 from shared.sampling import SamplingParams, StructuredOutput
-from tests.test_gateway_harness import (  # noqa: F401 - fixtures are used by name
-    MODEL,
-    answer_tokens,
-    gateway_settings,
-    harness,
-    redis_server,
-    source,
-    tokenizer,
-)
+from tests.gateway_harness import MODEL, answer_tokens
 from worker.engine.sampler import Sampler
 
 pytestmark = pytest.mark.timeout(60)

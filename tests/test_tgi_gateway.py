@@ -1,12 +1,11 @@
 """Text Generation Inference's routes (gateway/tgi.py) and ``POST /v1/generate``
 (gateway/generate_api.py) at the gateway: the gateway under uvicorn with the fake worker
-and a real Redis (fixtures: test_gateway_harness.py), so the request each route puts on
+and a real Redis (fixtures: gateway_harness.py), so the request each route puts on
 the queue can be read back. The parameters' mapping onto ``SamplingParams``, TGI's
 answers and error bodies, and the completions pipeline applying to them: auth, priority
 classes, rate limits, queue limits, stop strings, metrics. The same routes on the real
 model through ``huggingface_hub``: tests/test_tgi_e2e.py."""
 
-# ruff: noqa: F811 - pytest fixtures imported from the harness are redefined as parameters
 from __future__ import annotations
 
 import asyncio
@@ -19,19 +18,9 @@ from gateway.tgi_schemas import TgiInfo
 from shared import protocol
 from shared.protocol import GenerateRequest, TokenBatch, TokenLogprobs, TokenOutput
 from shared.settings import GatewaySettings
+from tests.gateway_harness import ANSWER, MODEL, FakeWorker, sse_events
 from tests.test_gateway_fuzz import _schema as openapi_schema
 from tests.test_gateway_fuzz import fuzz
-from tests.test_gateway_harness import (  # noqa: F401 - fixtures are used by name
-    ANSWER,
-    MODEL,
-    FakeWorker,
-    gateway_settings,
-    harness,
-    redis_server,
-    source,
-    sse_events,
-    tokenizer,
-)
 
 pytestmark = pytest.mark.timeout(90)
 

