@@ -19,13 +19,13 @@ from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from gateway.errors import OpenAIError
 from gateway.generation import ClientDisconnected
 from gateway.handlers import admit
 from gateway.openapi import add_body_schemas, error_responses, generation_extra
-from gateway.schemas import CompletionRequest, Int64, parse_body
+from gateway.schemas import CompletionRequest, SamplingKnobs, parse_body
 from gateway.state import GatewayState
 from gateway.tenants import Caller
 
@@ -35,26 +35,14 @@ DEFAULT_MAX_NEW_TOKENS = 64
 _PARAMS = {"max_tokens": "max_new_tokens"}
 
 
-class GenerateRequest(BaseModel):
-    """Body of ``POST /v1/generate``: strict types, unknown fields ignored (as the
-    OpenAI bodies of gateway/schemas.py)."""
+class GenerateRequest(SamplingKnobs):
+    """Body of ``POST /v1/generate``: the sampling fields of the OpenAI bodies
+    (``SamplingKnobs``), parsed as they are (``BODY_CONFIG``)."""
 
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
     prompt: str
     max_new_tokens: Annotated[int, Field(ge=1)] = DEFAULT_MAX_NEW_TOKENS
     model: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: Int64 | None = None
-    min_p: float | None = None
-    seed: Int64 | None = None
-    stop: str | list[str] | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     stream: bool = False
-    user: str | None = None
-    priority: int | None = None
 
     def to_completion(self, served_model: str) -> CompletionRequest:
         """The completions request of this body (the served model when none is named).

@@ -35,7 +35,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from gateway.errors import OpenAIError, validation_error
-from gateway.schemas import ChatCompletionRequest
+from gateway.schemas import BODY_CONFIG, ChatCompletionRequest
 from gateway.structured import Constraint
 from gateway.tools import FunctionDef
 
@@ -140,7 +140,7 @@ class ResponsesRequest(BaseModel):
     """Body of ``POST /v1/responses``. Strict types; unknown fields are ignored, as in the
     chat body; the fields of ``_REFUSED_FIELDS`` are refused when given."""
 
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    model_config = BODY_CONFIG
 
     model: str
     input: str | list[dict[str, Any]]

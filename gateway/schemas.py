@@ -62,34 +62,47 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = False
 
 
-class _SamplingFields(StructuredFields):
-    """Fields shared by both endpoints (OpenAI's plus vLLM's sampling extras, and the
-    structured-output fields of gateway/structured.py)."""
+#: The bodies' parsing: strict types, unknown fields ignored. JSON has no NaN or Infinity;
+#: pydantic would parse them, and the range checks of ``SamplingParams.validate`` let an
+#: infinite penalty through to the sampler.
+BODY_CONFIG = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
-    # JSON has no NaN or Infinity; pydantic would parse them, and the range checks of
-    # ``SamplingParams.validate`` let an infinite penalty through to the sampler.
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
-    model: str
-    max_tokens: int | None = None
+class SamplingKnobs(BaseModel):
+    """The sampling fields that ``/v1/completions``, chat and ``/v1/generate``
+    (gateway/generate_api.py) take alike, with the tenant (``user``) and the priority
+    class; each maps onto ``SamplingParams`` (``_SamplingFields.sampling_params``)."""
+
+    model_config = BODY_CONFIG
+
     temperature: float | None = None
     top_p: float | None = None
     top_k: Int64 | None = None
     min_p: float | None = None
     seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[Int64] | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    user: str | None = None  # names the tenant with --tenant-source user (gateway/tenants.py)
+    priority: int | None = None  # vLLM's field: <0 interactive, 0 default, >0 batch (gateway/priority.py)
+
+
+class _SamplingFields(StructuredFields, SamplingKnobs):
+    """Fields shared by both OpenAI endpoints: ``SamplingKnobs``, OpenAI's and vLLM's
+    other sampling fields, and the structured-output fields of gateway/structured.py."""
+
+    model_config = BODY_CONFIG
+
+    model: str
+    max_tokens: int | None = None
+    stop_token_ids: list[Int64] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
     n: int | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
-    user: str | None = None  # names the tenant with --tenant-source user (gateway/tenants.py)
-    priority: int | None = None  # vLLM's field: <0 interactive, 0 default, >0 batch (gateway/priority.py)
 
     @property
     def stop_strings(self) -> list[str]:

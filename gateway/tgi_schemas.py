@@ -27,7 +27,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from gateway.errors import OpenAIError, validation_error
-from gateway.schemas import MAX_COMPLETION_LOGPROBS, CompletionRequest, parse_body
+from gateway.schemas import BODY_CONFIG, MAX_COMPLETION_LOGPROBS, CompletionRequest, parse_body
 from gateway.structured import Constraint
 
 #: The field that names a TGI request's structured output in errors.
@@ -37,9 +37,6 @@ GRAMMAR_PARAM = "grammar"
 MAX_TOP_N_TOKENS = MAX_COMPLETION_LOGPROBS
 #: A seed TGI accepts (u64) that also fits the wire and torch's generator (signed 64 bits).
 Seed = Annotated[int, Field(ge=0, le=2**63 - 1)]
-
-_BODY = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
-
 
 class TgiGrammar(BaseModel):
     """``parameters.grammar``: ``{"type": "json" | "json_object", "value": schema (an
@@ -75,7 +72,7 @@ class TgiGrammar(BaseModel):
 class TgiParameters(BaseModel):
     """``parameters`` of a TGI body (TGI's ``GenerateParameters``; its defaults)."""
 
-    model_config = _BODY
+    model_config = BODY_CONFIG
     best_of: int | None = None
     temperature: float | None = None
     repetition_penalty: float | None = None
@@ -144,7 +141,7 @@ def _absent_parameters() -> TgiParameters:
 class TgiGenerateRequest(BaseModel):
     """Body of ``POST /generate`` and ``POST /generate_stream``."""
 
-    model_config = _BODY
+    model_config = BODY_CONFIG
     inputs: str
     parameters: TgiParameters = Field(default_factory=_absent_parameters)
 
