@@ -11,7 +11,8 @@ import asyncio
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 
 import httpx
 import pytest
@@ -165,29 +166,42 @@ def gateway_settings():
     return GatewaySettings(request_timeout_s=10.0)
 
 
-@pytest.fixture
-async def harness(harness_redis, source, tokenizer, gateway_settings):
+@asynccontextmanager
+async def running_harness(gateway_settings: GatewaySettings, model_settings: ModelSettings, server: EmbeddedRedis,
+                          source, tokenizer) -> AsyncIterator[Harness]:
+    """The gateway under uvicorn on a free 127.0.0.1 port, on ``server`` under a fresh
+    namespace, with a ``FakeWorker`` started and the gateway's reply relay subscribed;
+    stopped on exit."""
     keys = Keys(f"t{uuid.uuid4().hex[:8]}")
-    app = create_app(gateway_settings, RedisSettings(redis_url=harness_redis.url, namespace=keys.namespace),
-                     ModelSettings(max_model_len=256), source, tokenizer=tokenizer)
+    app = create_app(gateway_settings, RedisSettings(redis_url=server.url, namespace=keys.namespace),
+                     model_settings, source, tokenizer=tokenizer)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=1))
-    serve = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
+    http = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=1))
+    serve = asyncio.create_task(http.serve(sockets=[sock]))
+    while not http.started:
         assert not serve.done(), serve.exception()
         await asyncio.sleep(0.01)
-    worker = FakeWorker(harness_redis.url, keys, MODEL, tokenizer)
+    worker = FakeWorker(server.url, keys, MODEL, tokenizer)
     await worker.start()
-    h = Harness(f"http://127.0.0.1:{port}", app, worker, keys, harness_redis)
-    assert await h.app.state.inferq.relay.wait_ready(30), "the gateway's reply relay never subscribed"
-    yield h
-    await h.http.aclose()
-    await worker.stop()
-    server.should_exit = True
-    await serve
-    sock.close()
+    h = Harness(f"http://127.0.0.1:{port}", app, worker, keys, server)
+    try:
+        assert await app.state.inferq.relay.wait_ready(30), "the gateway's reply relay never subscribed"
+        yield h
+    finally:
+        await h.http.aclose()
+        await worker.stop()
+        http.should_exit = True
+        await serve
+        sock.close()
+
+
+@pytest.fixture
+async def harness(harness_redis, source, tokenizer, gateway_settings):
+    async with running_harness(gateway_settings, ModelSettings(max_model_len=256), harness_redis, source,
+                               tokenizer) as h:
+        yield h
 
 
 def sse_events(raw: str) -> list[str]:

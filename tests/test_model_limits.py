@@ -7,27 +7,20 @@ by the ready workers' value, falls back to its own, caps it with an explicit
 
 from __future__ import annotations
 
-import asyncio
 import json
-import socket
 import sys
 import time
 import types
-import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 import redis.asyncio as aioredis
-import uvicorn
 
-from gateway.app import create_app
 from gateway.readiness import disagreement
 from gateway.state import effective_max_model_len
 from shared import protocol
-from shared.keys import HEARTBEAT_TTL_S, Keys
+from shared.keys import HEARTBEAT_TTL_S
 from shared.model_source import (
     DEFAULT_MAX_MODEL_LEN,
     DUMMY_CONFIGS,
@@ -36,9 +29,9 @@ from shared.model_source import (
     max_model_len,
 )
 from shared.protocol import WorkerStatus
-from shared.settings import EngineSettings, GatewaySettings, ModelSettings, RedisSettings
+from shared.settings import EngineSettings, GatewaySettings, ModelSettings
 from tests import processes
-from tests.gateway_harness import MODEL, FakeWorker, Harness
+from tests.gateway_harness import MODEL, Harness, running_harness
 from worker.backends.factory import create_backend
 
 pytestmark = pytest.mark.timeout(240)
@@ -147,32 +140,10 @@ def test_disagreement_names_the_field_and_each_worker() -> None:
     assert disagreement([status("a", 2048), status("b", 2048, block_size=32)]) == "block_size: a 16, b 32"
 
 
-@asynccontextmanager
-async def gateway(server, model: ModelSettings, source, tokenizer) -> AsyncIterator[Harness]:
-    """The gateway under uvicorn with ``model`` settings and the harness's fake worker
-    ``w1`` (which announces no ``max_model_len``: a build before the field)."""
-    keys = Keys(f"t{uuid.uuid4().hex[:8]}")
-    app = create_app(GatewaySettings(request_timeout_s=10.0),
-                     RedisSettings(redis_url=server.url, namespace=keys.namespace), model, source, tokenizer=tokenizer)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    http = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=1))
-    serve = asyncio.create_task(http.serve(sockets=[sock]))
-    while not http.started:
-        assert not serve.done(), serve.exception()
-        await asyncio.sleep(0.01)
-    worker = FakeWorker(server.url, keys, MODEL, tokenizer)
-    await worker.start()
-    h = Harness(f"http://127.0.0.1:{sock.getsockname()[1]}", app, worker, keys, server)
-    try:
-        assert await app.state.inferq.relay.wait_ready(30)
-        yield h
-    finally:
-        await h.http.aclose()
-        await worker.stop()
-        http.should_exit = True
-        await serve
-        sock.close()
+def gateway(server, model: ModelSettings, source, tokenizer):
+    """The harness's gateway with ``model`` settings and its fake worker ``w1`` (which
+    announces no ``max_model_len``: a build before the field)."""
+    return running_harness(GatewaySettings(request_timeout_s=10.0), model, server, source, tokenizer)
 
 
 async def announce(h: Harness, *statuses: WorkerStatus) -> None:
