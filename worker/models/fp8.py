@@ -118,8 +118,13 @@ def round_inputs(x: torch.Tensor, block_scales: bool) -> torch.Tensor:
     for ``block`` weights (``block_scales``), per token for ``channel`` ones; ``x``'s dtype."""
     if not block_scales:
         return fake_quantize_rows(x)
-    q, scale = quantize_groups_ref(x)
-    return (q.float() * scale.repeat_interleave(FP8_BLOCK, 1)[:, :x.shape[1]]).to(x.dtype)
+    return dequantize_groups(*quantize_groups_ref(x), x.dtype)
+
+
+def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``q [R, K]`` (E4M3) times its scales per 1x128 group (``scale [R, ceil(K / 128)]``
+    float32, as ``quantize_groups`` and its reference give them) in ``dtype``."""
+    return (q.float() * scale.repeat_interleave(FP8_BLOCK, 1)[:, :q.shape[1]]).to(dtype)
 
 
 def quantize_weight(weight: torch.Tensor, scheme: str = FP8_SCHEMES[0]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,8 +189,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         # K not a multiple of BLOCK_SCALED_MM_K: the dequantized weight, on the input rounded
         # per 1x128 group as _scaled_mm's input would be (so a row-parallel shard of such K
         # rounds as TP=1 does with its full K, which _scaled_mm takes).
-        q, scale = quantize_groups(x.contiguous())
-        x_rounded = (q.float() * scale.repeat_interleave(FP8_BLOCK, 1)).to(x.dtype)
+        x_rounded = dequantize_groups(*quantize_groups(x.contiguous()), x.dtype)
         return F.linear(x_rounded, dequantize_weight(weight, weight_scale, x.dtype), bias)
     if m <= GEMV_MAX_ROWS:
         return fp8_gemv(x, weight, weight_scale, bias)
