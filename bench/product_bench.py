@@ -172,7 +172,8 @@ def offline_child(spec_path: Path) -> int:
     if spec.get("step_trace"):
         Path(spec["step_trace"]).write_text("".join(json.dumps(line) + "\n" for line in trace))
     spec_path.with_suffix(".result.json").write_text(json.dumps(result))
-    llm.close()  # a tensor-parallel group (--tensor-parallel-size N) it started: its ranks exit
+    # A group (--tensor-parallel-size N) it started: its ranks exit; this process ends next.
+    llm.close(abort=False)
     if engine_settings.tensor_parallel_size > 1:
         # No interpreter teardown after NCCL (docs/architecture.md, "Stopping"): its C++
         # destructors aborted this process after the result was written (2 H200s).

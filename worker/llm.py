@@ -73,13 +73,15 @@ class LLM:
             self.tokenizer = load_tokenizer(self.source.path)
         self._ids = itertools.count()
 
-    def close(self) -> None:
+    def close(self, abort: bool = True) -> None:
         """Stop the tensor-parallel group this LLM started (its followers exit; bounded
-        by ``group.TEARDOWN_BUDGET_S``); nothing otherwise. The engine is unusable after."""
+        by ``group.TEARDOWN_BUDGET_S``); nothing otherwise. The engine is unusable after.
+        ``abort``: as ``TPGroup.close``; False where the process ends next by
+        ``group.exit_process``, so that it does not wait for NCCL's abort first."""
         group, self._group = self._group, None
         if group is not None:
             sync = self.engine.runner.step_sync
-            group.close(sync.send_stop if sync is not None else None)
+            group.close(sync.send_stop if sync is not None else None, abort=abort)
 
     def __enter__(self) -> Self:
         return self
