@@ -57,6 +57,20 @@ def test_settings_precedence_flag_env_default() -> None:
     assert "`INFERQ_MAX_NUM_SEQS`" in settings_table()
 
 
+def test_offline_defaults_sit_between_given_values_and_the_class_defaults() -> None:
+    from shared.settings import OFFLINE_GPU_ENGINE_DEFAULTS
+    from worker.llm import offline_engine_settings
+
+    gpu = offline_engine_settings({}, "cuda")
+    assert gpu.max_num_batched_tokens == 16384 and gpu.prefill_tokens_per_decode == 0
+    assert offline_engine_settings({"max_num_batched_tokens": 4096}, "cuda").max_num_batched_tokens == 4096
+    assert offline_engine_settings({}, "cpu") == EngineSettings()  # on a CPU a served worker's
+    env = {"INFERQ_MAX_NUM_BATCHED_TOKENS": "8192"}
+    s = build(EngineSettings, {"max_num_seqs": 9}, env, defaults=OFFLINE_GPU_ENGINE_DEFAULTS)
+    assert (s.max_num_batched_tokens, s.prefill_tokens_per_decode, s.max_num_seqs) == (8192, 0, 9)
+    assert build(EngineSettings, {}, {}, defaults=OFFLINE_GPU_ENGINE_DEFAULTS).max_num_batched_tokens == 16384
+
+
 def test_cpu_threads_setting_env_and_default() -> None:
     import os
 

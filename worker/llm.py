@@ -4,16 +4,16 @@ engine directly, without Redis. Tests and engine benchmarks use it."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 
 from shared.model_source import resolve_model
 from shared.protocol import FinishReason, TokenLogprobs
 from shared.sampling import SamplingParams
-from shared.settings import DEFAULT_MODEL_NAME, EngineSettings, ModelSettings
+from shared.settings import DEFAULT_MODEL_NAME, OFFLINE_GPU_ENGINE_DEFAULTS, EngineSettings, ModelSettings
 from shared.tokenizer_loader import load_tokenizer
-from worker.engine.engine import LLMEngine
+from worker.engine.engine import LLMEngine, resolve_device
 from worker.parallel import group as tp_group
 
 
@@ -33,11 +33,25 @@ class CompletionOutput:
     prompt_logprobs: list[TokenLogprobs] | None = None
 
 
+def offline_engine_settings(given: Mapping[str, Any], device: str) -> EngineSettings:
+    """The offline engine's settings: ``given`` (fields of ``EngineSettings``), then on a
+    GPU (``device`` "cuda", or "auto" with one present) ``OFFLINE_GPU_ENGINE_DEFAULTS``,
+    then ``EngineSettings``' defaults.
+
+    Raises:
+        SettingsError: a value that is not allowed.
+    """
+    defaults = OFFLINE_GPU_ENGINE_DEFAULTS if resolve_device(device).type == "cuda" else {}
+    return EngineSettings(**{**defaults, **given})
+
+
 class LLM:
     """Load a model and generate for a list of prompts in continuous batches.
 
     Keyword arguments are fields of ``ModelSettings`` or ``EngineSettings``, e.g.
-    ``LLM(model="SmolLM2-135M-Instruct", num_kv_blocks=64, max_num_seqs=8)``. With
+    ``LLM(model="SmolLM2-135M-Instruct", num_kv_blocks=64, max_num_seqs=8)``. On a GPU the
+    fields it is not given take ``OFFLINE_GPU_ENGINE_DEFAULTS`` (larger prefill steps than
+    a served worker's) before ``EngineSettings``' own defaults. With
     ``tensor_parallel_size`` N > 1 and no tensor-parallel group in this process yet, it
     starts one (``worker.parallel.follower.start_for_engine``: N - 1 processes, this one
     rank 0) and owns it: ``close()`` (or leaving a ``with LLM(...) as llm:`` block) stops
@@ -55,7 +69,8 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown settings: {sorted(unknown)}")
         self.model_settings = ModelSettings(model=model, **{k: v for k, v in kwargs.items() if k in model_fields})
-        self.engine_settings = EngineSettings(**{k: v for k, v in kwargs.items() if k in engine_fields})
+        self.engine_settings = offline_engine_settings({k: v for k, v in kwargs.items() if k in engine_fields},
+                                                       self.model_settings.device)
         self.source = resolve_model(model, self.model_settings.load_format, self.model_settings.model_cache_dir)
         self._group = None  # the tensor-parallel group this LLM started, if any
         if self.engine_settings.tensor_parallel_size > 1 and tp_group.current() is None:
