@@ -84,8 +84,9 @@ MIN_CACHED_TOKENS = 128
 
 #: Placement looks a prompt up every ``PLACEMENT_TOKENS`` tokens (every
 #: ``placement_stride(block_size)``-th block hash), then block by block after the last
-#: of those: the cached overlap it sees is exact to that many tokens, and hashing a 4,000-token prompt costs one BLAKE2b pass plus 31
-#: finalizations instead of 250 (bench/placement_cost.py). Every gateway must use the
+#: of those: the cached overlap it sees is exact to that many tokens, and hashing a
+#: 4,000-token prompt costs one SHA-256 pass plus 32 finalizations instead of 249
+#: (bench/placement_cost.py). Every gateway must use the
 #: same figure, since one gateway's predictions are what another looks up.
 PLACEMENT_TOKENS = 128
 
@@ -230,9 +231,9 @@ def choose(policy: DispatchPolicy, num_prompt_tokens: int, candidates: Sequence[
     """
     if not candidates:
         raise ValueError("no candidate workers")
-    shared = PlacementDecision(Placement(None, num_prompt_tokens), "shared", 0)
+    pick_one = (rng or random).choice
     if policy == "random":
-        pick = (rng or random).choice(list(candidates))
+        pick = pick_one(list(candidates))
         return PlacementDecision(Placement(pick.worker_id, num_prompt_tokens - pick.num_cached_tokens), "random",
                                  pick.num_cached_tokens)
     if session:
@@ -241,34 +242,43 @@ def choose(policy: DispatchPolicy, num_prompt_tokens: int, candidates: Sequence[
         if not sticky.saturated:
             cached = sticky.num_cached_tokens if policy == "cache_aware" else 0
             return PlacementDecision(Placement(sticky.worker_id, num_prompt_tokens - cached), "session", cached)
-    # Equal costs are common (idle workers, a burst's first requests): break ties by
-    # running requests, then at random, never by id (which piles work on one worker).
-    order = list(candidates)
-    (rng or random).shuffle(order)
     if policy == "load":
-        best = min(order, key=lambda c: (c.num_queued_tokens, c.num_running))
+        best = _least(candidates, lambda c: (c.num_queued_tokens, c.num_running), pick_one)
         if best.saturated:
-            return shared
+            return PlacementDecision(Placement(None, num_prompt_tokens), "shared", 0)
         return PlacementDecision(Placement(best.worker_id, num_prompt_tokens), "load", 0)
     if policy != "cache_aware":
         raise ValueError(f"unknown dispatch policy {policy!r}")
     def cached(c: Candidate) -> int:  # what the choice counts (``MIN_CACHED_TOKENS``)
         return c.num_cached_tokens if c.num_cached_tokens >= MIN_CACHED_TOKENS else 0
 
-    def cost(c: Candidate) -> int:
-        return UNCACHED_WEIGHT * (num_prompt_tokens - cached(c)) + c.num_queued_tokens
+    def rank(c: Candidate) -> tuple[int, int, int]:  # the cost, then more cached, then fewer running
+        counted = cached(c)
+        return UNCACHED_WEIGHT * (num_prompt_tokens - counted) + c.num_queued_tokens, -counted, c.num_running
 
-    best = min(order, key=lambda c: (cost(c), -cached(c), c.num_running))
-    if prefix_key and cached(best) == 0 and not any(cached(c) for c in order):
-        open_ = [c for c in order if not c.saturated] or order
+    best = _least(candidates, rank, pick_one)
+    if prefix_key and cached(best) == 0 and not any(cached(c) for c in candidates):
+        open_ = [c for c in candidates if not c.saturated] or candidates
         floor = min(c.shared_queued_tokens for c in open_)
         near = [c for c in open_ if c.shared_queued_tokens <= floor + margin_tokens]
-        best = next(c for c in near if c.worker_id == rendezvous(prefix_key, [n.worker_id for n in near]))
+        pick_id = rendezvous(prefix_key, [c.worker_id for c in near])
+        best = next(c for c in near if c.worker_id == pick_id)
     uncached = num_prompt_tokens - best.num_cached_tokens
     if best.saturated and best.num_cached_tokens <= uncached:
-        return shared
+        return PlacementDecision(Placement(None, num_prompt_tokens), "shared", 0)
     return PlacementDecision(Placement(best.worker_id, uncached), "cache" if cached(best) else "load",
                              best.num_cached_tokens)
+
+
+def _least(candidates: Sequence[Candidate], key: Callable[[Candidate], tuple[int, ...]],
+           pick_one: Callable[[list[Candidate]], Candidate]) -> Candidate:
+    """The candidate of lowest ``key``; of several, ``pick_one``'s (at random). Equal costs are
+    common (idle workers, a burst's first requests): ties are never broken by id or
+    order, which would pile work on one worker."""
+    keys = [key(c) for c in candidates]
+    low = min(keys)
+    ties = [c for c, k in zip(candidates, keys, strict=True) if k == low]
+    return ties[0] if len(ties) == 1 else pick_one(ties)
 
 
 @dataclass(slots=True)
@@ -293,6 +303,30 @@ class WorkerView:
         else:
             self.disagreement = ""
             self.block_size = next(iter(sizes)) if sizes else None
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """What ``Placer.place`` derives from one list of ready workers, kept while the view
+    holds that list: the read script's keys and leading arguments (encoded once), each
+    worker's index by id, saturation limit (tokens) and the near-set margin (tokens)."""
+
+    workers: list[WorkerStatus]
+    index: dict[str, int]
+    read_keys: list[bytes]
+    read_args: list[bytes]
+    limits: list[int]
+    margin_tokens: int
+
+    @classmethod
+    def of(cls, workers: list[WorkerStatus], keys: Keys, model: str, max_queued_steps: float) -> _Layout:
+        ids = [w.worker_id for w in workers]
+        block_size = workers[0].block_size
+        read_keys = [*(keys.kv_index(model, w) for w in ids), keys.placed_tokens(model), keys.worker_load(model)]
+        return cls(workers, {w: j for j, w in enumerate(ids)}, [k.encode() for k in read_keys],
+                   [*(w.encode() for w in ids), str(HASH_BYTES).encode()],
+                   [int(max_queued_steps * max(w.max_num_batched_tokens, block_size)) for w in workers],
+                   max(w.max_num_batched_tokens for w in workers))
 
 
 class Placer:
@@ -320,6 +354,7 @@ class Placer:
         #: Per worker: (its heartbeat's ``updated_unix_s``, prefill tokens placed on it since).
         self._since_heartbeat: dict[str, tuple[float, int]] = {}
         self._rng = rng or random.Random()
+        self._layout: _Layout | None = None
 
     async def refresh(self) -> None:
         """Read the ready workers now (and hand them to ``on_refresh``, if set).
@@ -345,8 +380,8 @@ class Placer:
         worker, or workers that disagree on the block size): the request then goes to
         the shared stream. Hashes only under ``cache_aware`` (the other policies need no
         overlap), and only every ``placement_stride(block_size)``-th block and the few
-        full ones after the last of those: CPU cost one pass of BLAKE2b over the prompt plus one finalization per
-        ``PLACEMENT_TOKENS``."""
+        full ones after the last of those: CPU cost one pass of SHA-256 over the prompt
+        plus one finalization per ``PLACEMENT_TOKENS``."""
         block_size = self.view.block_size
         if block_size is None:
             return None
@@ -356,8 +391,10 @@ class Placer:
         # A worker's lookup takes at most num_tokens - 1 tokens (one is computed for logits).
         # Every block after the last sampled one too: a prompt shorter than
         # PLACEMENT_TOKENS (a chat's second turn) is looked up block by block, and the
-        # overlap of a long one is exact to a block once its sampled hashes all hit.
-        usable = prompt_token_ids[:len(prompt_token_ids) - 1]
+        # overlap of a long one is exact to a block once its sampled hashes all hit. The
+        # last token ends a full block only when the prompt is whole blocks: only then
+        # does leaving it out drop a block (and the list need copying).
+        usable = prompt_token_ids[:-1] if len(prompt_token_ids) % block_size == 0 else prompt_token_ids
         return PlacementQuery(sampled_block_hashes(usable, block_size, stride, with_tail=True),
                               len(prompt_token_ids), session,
                               sampled_prefix_lengths(len(usable), block_size, stride, with_tail=True))
@@ -371,61 +408,76 @@ class Placer:
         Raises:
             redis.exceptions.RedisError, OSError: Redis unreachable.
         """
-        workers = list(self.view.workers)
-        out: list[tuple[PlacementDecision | None, list[bytes]]] = [(None, []) for _ in queries]
-        todo = [i for i, q in enumerate(queries) if q is not None]
-        if not todo or not workers:
-            return out
-        ids = [w.worker_id for w in workers]
-        n = len(ids)
-        kv_keys = [self.keys.kv_index(self.model, w) for w in ids]
-        blobs = [b"".join(q.hashes) for q in queries if q is not None]
+        todo = [q for q in queries if q is not None]
+        if not todo or not self.view.workers:
+            return [(None, []) for _ in queries]
+        layout = self._layout_of(self.view.workers)
+        workers, n = layout.workers, len(layout.workers)
         # One EVALSHA for the whole commit (redis-py loads the script on NOSCRIPT).
-        reply = await self._read(keys=[*kv_keys, self.keys.placed_tokens(self.model), self.keys.worker_load(self.model)],
-                                 args=[*ids, HASH_BYTES, *blobs])
-        placed, loads = reply[:n], reply[n:2 * n]
-        overlap_rows = [reply[2 * n + k * n:2 * n + (k + 1) * n] for k in range(len(todo))]
+        reply = await self._read(keys=layout.read_keys,
+                                 args=[*layout.read_args, *(b"".join(q.hashes) for q in todo)])
         if not self._predict_loaded:  # add_predictions runs EVALSHA inside another pipeline
             self._predict.sha = await self.client.script_load(_PREDICT)
             self._predict_loaded = True
-        # The blocks this call predicted on each worker: the read scripts ran before any of
+        # Per worker, the candidate that holds none of the prompt: its queue is what every
+        # gateway reads (held + placed), and for a worker without a per-step load figure,
+        # what this gateway placed since its heartbeat (_recent).
+        base = []
+        for j, w in enumerate(workers):
+            load = reply[n + j]
+            shared = _held(w, load) + reply[j]
+            queued = shared if load >= 0 else shared + self._recent(w)
+            base.append(Candidate(w.worker_id, 0, queued, layout.limits[j], w.num_running, shared))
+        decided = iter(self._choose_each(todo, reply, base, layout))
+        return [(None, []) if q is None else next(decided) for q in queries]
+
+    def _choose_each(self, todo: list[PlacementQuery], reply: list[int], base: list[Candidate],
+                     layout: _Layout) -> list[tuple[PlacementDecision, list[bytes]]]:
+        """``choose`` for each query of ``todo`` in turn, from the read script's ``reply``
+        and ``base`` (``place``), each placement counted for the queries after it: its
+        prefill in its worker's queue (``base``, changed for that worker only), its
+        hashes in that worker's predicted blocks."""
+        n = len(base)
+        # The blocks this call predicted on each worker: the read script ran before any of
         # them, so a burst of prompts sharing a prefix would otherwise place its first
         # few on different workers, each computing the prefix.
-        predicted_here: dict[str, set[bytes]] = {w: set() for w in ids}
-        placed_here: dict[str, int] = dict.fromkeys(ids, 0)  # prefill tokens placed in this call
-        block_size = workers[0].block_size
-        margin = max(w.max_num_batched_tokens for w in workers)
-        # Per worker, fixed for the call: what every gateway reads (held + placed), and
-        # whether the held part is the per-step load (else the heartbeat's: see _queued).
-        shared_base = [_held(w, int(loads[j])) + int(placed[j]) for j, w in enumerate(workers)]
-        fresh = [int(load) >= 0 for load in loads]
-        limits = [int(self.max_queued_steps * max(w.max_num_batched_tokens, block_size)) for w in workers]
-        for i, row in zip(todo, overlap_rows, strict=True):
-            q = queries[i]
-            assert q is not None
-            candidates = []
-            for j, w in enumerate(workers):
-                wid = ids[j]
-                overlap = int(row[j])
-                if predicted_here[wid]:
-                    overlap = max(overlap, _overlap(q.hashes, predicted_here[wid]))
-                shared = shared_base[j] + placed_here[wid]
-                queued = shared if fresh[j] else shared_base[j] + self._recent(w)
-                candidates.append(Candidate(wid, q.prefix_lengths[overlap - 1] if overlap else 0, queued,
-                                            limits[j], w.num_running, shared))
+        predicted_here: list[set[bytes]] = [set() for _ in range(n)]
+        out = []
+        for k, q in enumerate(todo):
+            candidates = list(base)
+            for j, overlap in enumerate(reply[(2 + k) * n:(3 + k) * n]):
+                held = predicted_here[j]
+                # Predicted blocks can only lengthen the overlap if they hold its next hash.
+                if held and overlap < len(q.hashes) and q.hashes[overlap] in held:
+                    overlap = max(overlap, _overlap(q.hashes, held))
+                if overlap:
+                    c = base[j]
+                    candidates[j] = Candidate(c.worker_id, q.prefix_lengths[overlap - 1], c.num_queued_tokens,
+                                              c.max_queued_tokens, c.num_running, c.num_shared_queued_tokens)
             decision = choose(self.policy, q.num_prompt_tokens, candidates, q.session, self._rng,
-                              prefix_key=_prefix_key(q), margin_tokens=margin)
+                              prefix_key=_prefix_key(q), margin_tokens=layout.margin_tokens)
             target = decision.placement.worker_id
+            predicted: list[bytes] = []
             if target is not None:
-                status = workers[ids.index(target)]
-                self._since_heartbeat[target] = (status.updated_unix_s,
-                                                 self._recent(status) + decision.placement.num_prefill_tokens)
-                placed_here[target] += decision.placement.num_prefill_tokens
-            predicted = q.hashes if target is not None and self.policy == "cache_aware" else []
-            if predicted:
-                predicted_here[target].update(predicted)  # type: ignore[index]
-            out[i] = (decision, predicted)
+                j = layout.index[target]
+                tokens = decision.placement.num_prefill_tokens
+                status = layout.workers[j]
+                self._since_heartbeat[target] = (status.updated_unix_s, self._recent(status) + tokens)
+                c = base[j]
+                base[j] = Candidate(target, 0, c.num_queued_tokens + tokens, c.max_queued_tokens, c.num_running,
+                                    c.shared_queued_tokens + tokens)
+                if self.policy == "cache_aware":
+                    predicted = q.hashes
+                    predicted_here[j].update(predicted)
+            out.append((decision, predicted))
         return out
+
+    def _layout_of(self, workers: list[WorkerStatus]) -> _Layout:
+        """``workers``' ``_Layout``, built once per worker view (``WorkerView.update``
+        replaces its list, never changes it in place)."""
+        if self._layout is None or self._layout.workers is not workers:
+            self._layout = _Layout.of(workers, self.keys, self.model, self.max_queued_steps)
+        return self._layout
 
     def _recent(self, status: WorkerStatus) -> int:
         """Prefill tokens this gateway placed on the worker of ``status`` since that
