@@ -145,8 +145,8 @@ def tp_engine(folder: Path, device: str, size: int = 2, engine_settings: dict | 
     from ``TP_KV_CACHE_BYTES``; on CUDA it keeps the explicit block count (sized from
     free memory, a second engine in this process would find the first one's cache)."""
     from shared.model_source import resolve_model
-    from shared.settings import EngineSettings, ModelSettings
-    from worker.llm import LLM
+    from shared.settings import ModelSettings
+    from worker.llm import LLM, offline_engine_settings
     from worker.parallel.follower import start_for_engine
 
     deaths: list[float] = []
@@ -154,9 +154,11 @@ def tp_engine(folder: Path, device: str, size: int = 2, engine_settings: dict | 
     if device == "cpu":
         settings = {**{k: v for k, v in settings.items() if k != "num_kv_blocks"}, "kv_cache_bytes": TP_KV_CACHE_BYTES}
     engine = {k: v for k, v in settings.items() if k not in ("dtype", "max_model_len")}
+    # The followers' settings must be rank 0's: LLM's (its offline defaults on a GPU too),
+    # or the ranks would capture other graph buckets and desync.
     group = start_for_engine(resolve_model(str(folder)),
                              ModelSettings(model=str(folder), dtype="float32", max_model_len=256, device=device),
-                             EngineSettings(tensor_parallel_size=size, **engine),
+                             offline_engine_settings({"tensor_parallel_size": size, **engine}, device),
                              on_death=lambda: deaths.append(time.monotonic()))
     llm = None
     try:
@@ -414,9 +416,10 @@ def nccl_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_tp2_over_nccl_matches_tp1(tiny_folder: Path, nccl_env: None) -> None:
     """Two GPUs, NCCL: the decode steps replay CUDA graphs that hold the all-reduces and
     the logits all-gather on both ranks (through the one-shot all-reduce,
-    ``worker/parallel/all_reduce.py``, at these sizes); greedy tokens equal TP=1's on one
-    GPU, with and without logprobs asked (the decode chain of async scheduling runs
-    without)."""
+    ``worker/parallel/all_reduce.py``, at these sizes), prefill steps the mixed-step
+    graphs (rank 0 sends their packed inputs, ``StepSync.send_mixed``); greedy tokens
+    equal TP=1's on one GPU, with and without logprobs asked (without, the decode chain
+    of async scheduling and the steps scheduled ahead run)."""
     from worker.llm import LLM
 
     llm1 = LLM(model=str(tiny_folder), device="cuda", **ENGINE)
@@ -425,14 +428,16 @@ def test_tp2_over_nccl_matches_tp1(tiny_folder: Path, nccl_env: None) -> None:
     ahead1 = [o.token_ids for o in llm1.generate(PROMPTS, PARAMS[0])]
     with tp_engine(tiny_folder, "cuda") as (llm, _, deaths):
         runner = llm.engine.runner
-        assert runner.graphs is not None, "decode graphs are captured under TP"
+        assert runner.graphs is not None and runner.mixed is not None, "decode and mixed-step graphs under TP"
         tokens2, logits2, _ = generate(llm)
         assert runner.graphs.num_replays > 0
-        assert not llm.engine.look_ahead
+        assert llm.engine.look_ahead
         from worker.parallel.all_reduce import installed
 
         assert installed() is not None, "the one-shot all-reduce is set up on NVLink-connected GPUs"
+        replays = runner.mixed.num_replays
         ahead2 = [o.token_ids for o in llm.generate(PROMPTS, PARAMS[0])]
+        assert runner.mixed.num_replays > replays, "the greedy prompts' prefill replays a mixed-step graph"
         assert not deaths
     assert tokens2 == tokens1
     assert ahead2 == ahead1

@@ -300,15 +300,15 @@ def tp_engine(folder: Path, device: str, dtype: str = "float32", quantization: s
     """Rank 0 of a TP=``size`` engine with ``--quantization quantization`` in this process
     (its followers are processes started as the worker starts them)."""
     from shared.model_source import resolve_model
-    from shared.settings import EngineSettings, ModelSettings
-    from worker.llm import LLM
+    from shared.settings import ModelSettings
+    from worker.llm import LLM, offline_engine_settings
     from worker.parallel.follower import start_for_engine
 
     deaths: list[float] = []
     model = {"dtype": dtype, "max_model_len": 256, "device": device, "quantization": quantization}
     engine = {"max_num_seqs": 4, "num_kv_blocks": 64, **settings}
     group = start_for_engine(resolve_model(str(folder)), ModelSettings(model=str(folder), **model),
-                             EngineSettings(tensor_parallel_size=size, **engine),
+                             offline_engine_settings({"tensor_parallel_size": size, **engine}, device),
                              on_death=lambda: deaths.append(time.monotonic()))
     llm = None
     try:

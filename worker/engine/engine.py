@@ -175,12 +175,13 @@ class LLMEngine:
         self._next: SchedulerOutput | None = None
         #: Whether any step may be scheduled while the one before it runs
         #: (``_look_ahead``): with the CUDA graphs, async scheduling and ``schedule_ahead``,
-        #: not under tensor parallelism or speculative decoding. Off on CPU, where a step
+        #: not with speculative decoding. Under tensor parallelism too: a step goes to the
+        #: other ranks when it is enqueued (``ModelRunner.launch_step``), and an enqueued
+        #: step is never dropped there (no ``step_stop``). Off on CPU, where a step
         #: runs in the caller's thread and a step scheduled ahead would only hold its
         #: predecessor's tokens back; tests turn it on there to check the bookkeeping.
         self.look_ahead = (es.async_scheduling and es.schedule_ahead and self.runner.graphs is not None
-                           and self.runner.mixed is not None and self.runner.step_sync is None
-                           and self.proposer is None)
+                           and self.runner.mixed is not None and self.proposer is None)
         self.num_steps_ahead = 0  # steps scheduled while the one before them ran
         # What was announced since the worker last pulled (``note_arrival``).
         self.arrivals = Arrivals()

@@ -247,11 +247,25 @@ class MixedGraphs:
         ``device_ids``: ``(token indices [k], ids [k])``, both int64 on the device, input
         ids written over the packed ones after the upload (tokens sampled by a step still
         in flight: ``ModelRunner.launch_step``)."""
+        return self.replay(*self.pack(batch, device_ids))
+
+    def pack(self, batch: Sequence[ScheduledRequest],
+             device_ids: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[int, int]:
+        """The first half of ``begin``: pack ``batch``, enqueue the upload (and the
+        ``device_ids`` copy); returns ``(bucket, num_sampled)`` for ``replay``. Between
+        the two, ``inputs.dev64``/``dev32`` hold the step on the device, complete: what
+        rank 0 of a tensor-parallel group sends the others (``StepSync.send_mixed``)."""
         num_tokens = sum(item.num_tokens for item in batch)
         bucket = next(b for b in self.buckets if b >= num_tokens)
         shape = self.inputs.fill(batch, pad_tokens_to=bucket)
         self.inputs.upload()
         if device_ids is not None:  # input_ids lead the int64 buffer
             self.inputs.dev64.index_copy_(0, *device_ids)
+        return bucket, shape.num_sampled
+
+    def replay(self, bucket: int, num_sampled: int) -> PiecewiseReplay:
+        """The second half of ``begin``: replay the first piece of ``bucket``'s graphs on
+        the inputs on the device (``pack``'s, or on the other ranks of a group, rank 0's
+        received in place); its ``output`` is the first ``num_sampled`` hidden rows."""
         self.num_replays += 1
-        return self.pieces.begin(self.graphs[bucket], self.rows[:shape.num_sampled])
+        return self.pieces.begin(self.graphs[bucket], self.rows[:num_sampled])

@@ -138,6 +138,11 @@ class ModelRunner:
             raise RuntimeError(f"--tensor-parallel-size {settings.tensor_parallel_size} but this process is in "
                                f"no group of that size (start one first: worker/parallel/group.py)")
         if self.tp is not None:
+            # Ranks built with other settings would capture other graphs and wait forever
+            # in each other's collectives: refuse that at once, on every rank.
+            if not self.tp.same_everywhere(repr(settings)):
+                raise ValueError("tensor parallel: this group's ranks were given other engine settings; start "
+                                 "the followers with rank 0's (worker.parallel.follower.start_for_engine)")
             num_blocks = self.tp.min_int(num_blocks)
             if device.type == "cuda" and settings.custom_all_reduce:  # collective: every rank, here
                 all_reduce.install(self.tp.group, self.tp.device, first_group=tp_group.groups_joined() == 1)
@@ -183,7 +188,7 @@ class ModelRunner:
         # Steps in pieces only where the engine may stop them: not under TP (every rank
         # runs each pass whole), not with speculative decoding.
         pieces = settings.graph_pieces if self.tp is None and settings.speculative_method == "off" else 1
-        if settings.mixed_cuda_graphs and self.tp is None:  # under TP, mixed steps run eagerly
+        if settings.mixed_cuda_graphs:  # under TP every rank captures the same buckets
             self.mixed = MixedGraphs(self.model, self.kv_caches, self.backend, settings.max_num_seqs,
                                      settings.max_num_batched_tokens, max_blocks, self.max_model_len,
                                      self.block_size, self.device, pieces)
@@ -274,6 +279,17 @@ class ModelRunner:
         if self.step_sync is not None:  # the other ranks replay the same bucket on these inputs
             self.step_sync.send_decode(graphs.inputs.dev64, graphs.inputs.dev32, len(requests), max(lens))
         return max(lens)
+
+    def _begin_mixed(self, batch: Sequence[ScheduledRequest],
+                     device_ids: tuple[torch.Tensor, torch.Tensor] | None = None) -> PiecewiseReplay:
+        """``MixedGraphs.begin``; under tensor parallelism the packed inputs go to the
+        other ranks before the replay (its all-reduces wait for theirs)."""
+        mixed = self.mixed
+        assert mixed is not None
+        bucket, num_sampled = mixed.pack(batch, device_ids)
+        if self.step_sync is not None:
+            self.step_sync.send_mixed(mixed.inputs.dev64, mixed.inputs.dev32, bucket, num_sampled)
+        return mixed.replay(bucket, num_sampled)
 
     def _replay_decode(self, n: int, max_seq_len: int) -> torch.Tensor:
         assert self.graphs is not None
@@ -447,7 +463,7 @@ class ModelRunner:
             logits = self._replay_decode(len(requests), max_seq_len)
         elif self.device.type == "cuda":
             assert self.mixed is not None
-            rows = self.mixed.begin(batch, (ids_index, ids) if ids is not None else None).finish()
+            rows = self._begin_mixed(batch, (ids_index, ids) if ids is not None else None).finish()
             logits = self.model.compute_logits(rows) if sampled_requests else None
         else:
             self.num_eager_steps += 1
@@ -484,7 +500,7 @@ class ModelRunner:
             requests = [item.request for item in batch]
             logits = self._decode_logits(requests, *decode_inputs(requests))
         elif not spans and self.takes_mixed_graphs(batch):
-            rows = self.finish_pieces(self.mixed.begin(batch))  # type: ignore[union-attr]
+            rows = self.finish_pieces(self._begin_mixed(batch))
             if sampled_items:
                 logits = self.model.compute_logits(rows)
         else:

@@ -18,7 +18,7 @@ from shared.model_source import ModelSource, max_model_len
 from shared.settings import EngineSettings, ModelSettings
 from worker.parallel import group as tp_group
 from worker.parallel.layers import shard_spec
-from worker.parallel.step_sync import OP_DECODE, OP_FORWARD, OP_LOGITS, OP_STOP, StepSync
+from worker.parallel.step_sync import OP_DECODE, OP_FORWARD, OP_LOGITS, OP_MIXED, OP_STOP, StepSync
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def serve_then_exit(runner: Any, sync: StepSync) -> NoReturn:
 @torch.inference_mode()
 def serve(runner: Any, sync: StepSync) -> None:
     """Run rank 0's model calls on this rank's shard until STOP: ``runner`` is this
-    rank's ``ModelRunner`` (its model, KV cache, backend and decode graphs)."""
+    rank's ``ModelRunner`` (its model, KV cache, backend, decode and mixed-step graphs)."""
     while True:
         header = sync.recv_header()
         op = header[0]
@@ -117,5 +117,9 @@ def serve(runner: Any, sync: StepSync) -> None:
             graphs = runner.graphs
             sync.recv_into(graphs.inputs.dev64, graphs.inputs.dev32)
             graphs.run(header[1], header[2], upload=False)
+        elif op == OP_MIXED:
+            mixed = runner.mixed
+            sync.recv_into(mixed.inputs.dev64, mixed.inputs.dev32)
+            mixed.replay(header[1], header[2]).finish()
         else:
             raise RuntimeError(f"tensor parallel: unknown op {op} from rank 0")

@@ -26,6 +26,7 @@ aborts its own communicators, which is local; every step has a bound
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -103,6 +104,13 @@ class TPGroup:
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return int(t.item())
+
+    def same_everywhere(self, fact: str) -> bool:
+        """Whether every rank passed the same ``fact`` (a start-up fact such as the engine
+        settings, compared by a 56-bit BLAKE2b digest: rank 0's is broadcast, then the
+        ranks' verdicts are MIN-reduced, so every rank returns the same answer)."""
+        digest = int.from_bytes(hashlib.blake2b(fact.encode(), digest_size=7).digest(), "little")
+        return self.min_int(int(self.broadcast_int(digest) == digest)) == 1
 
     def close(self, stop: Callable[[], None] | None = None, abort: bool = True) -> None:
         """Leave the group, within ``TEARDOWN_BUDGET_S`` whatever the peers do (and

@@ -10,9 +10,12 @@ fixed-size header broadcast, then its payload tensors (no pickles):
     DECODE    a decode-graph replay: the graphs' static input buffers, broadcast in
               place (``cuda_graphs.StaticInputs.dev64``/``dev32``), then every rank
               replays the same bucket; the all-reduces are inside the graphs
+    MIXED     a mixed-step graph replay (``mixed_graphs.MixedGraphs``): its input
+              buffers (``StepInputs.dev64``/``dev32``) broadcast in place, then every rank
+              replays the same token bucket; the LM head follows as a LOGITS call
     STOP      the follower loop ends
-So a step costs 3 broadcasts (FORWARD or DECODE) plus 2 per LM-head call of an eager
-step. Every broadcast is on the device's stream order (NCCL) or synchronous (gloo).
+So a step costs 3 broadcasts (FORWARD, DECODE or MIXED) plus 2 per LM-head call of an
+eager or mixed step. Every broadcast is on the device's stream order (NCCL) or synchronous (gloo).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch.distributed as dist
 from worker.models.attention import AttentionMetadata
 
 HEADER_LEN = 8
-OP_STOP, OP_FORWARD, OP_LOGITS, OP_DECODE = 0, 1, 2, 3
+OP_STOP, OP_FORWARD, OP_LOGITS, OP_DECODE, OP_MIXED = 0, 1, 2, 3, 4
 
 
 class StepSync:
@@ -70,6 +73,13 @@ class StepSync:
         self._bcast(dev64)
         self._bcast(dev32)
 
+    def send_mixed(self, dev64: torch.Tensor, dev32: torch.Tensor, bucket: int, num_sampled: int) -> None:
+        """Announce a mixed-step graph replay of token bucket ``bucket`` whose graphs
+        gather ``num_sampled`` hidden rows, and send the graphs' filled input buffers."""
+        self._send_header(OP_MIXED, bucket, num_sampled)
+        self._bcast(dev64)
+        self._bcast(dev32)
+
     def send_stop(self) -> None:
         """Announce STOP (the followers exit) and return once it has left this rank:
         on CUDA the broadcast is waited for, so that rank 0 may abort its communicators
@@ -111,6 +121,6 @@ class StepSync:
         return hidden
 
     def recv_into(self, *buffers: torch.Tensor) -> None:
-        """Fill ``buffers`` in place from rank 0's (a DECODE header's payload)."""
+        """Fill ``buffers`` in place from rank 0's (a DECODE or MIXED header's payload)."""
         for b in buffers:
             self._bcast(b)
