@@ -167,6 +167,26 @@ def gateway_settings():
 
 
 @asynccontextmanager
+async def serving(app, relay_timeout_s: float = 30.0) -> AsyncIterator[str]:
+    """``app`` (``gateway.app.create_app``'s) under uvicorn on a free 127.0.0.1 port until
+    exit; yields its base URL once it serves and its reply relay has subscribed."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=1))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            assert not task.done(), task.exception()
+            await asyncio.sleep(0.01)
+        assert await app.state.inferq.relay.wait_ready(relay_timeout_s), "the gateway's reply relay never subscribed"
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
+
+
+@asynccontextmanager
 async def running_harness(gateway_settings: GatewaySettings, model_settings: ModelSettings, server: EmbeddedRedis,
                           source, tokenizer) -> AsyncIterator[Harness]:
     """The gateway under uvicorn on a free 127.0.0.1 port, on ``server`` under a fresh
@@ -175,26 +195,15 @@ async def running_harness(gateway_settings: GatewaySettings, model_settings: Mod
     keys = Keys(f"t{uuid.uuid4().hex[:8]}")
     app = create_app(gateway_settings, RedisSettings(redis_url=server.url, namespace=keys.namespace),
                      model_settings, source, tokenizer=tokenizer)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    http = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=1))
-    serve = asyncio.create_task(http.serve(sockets=[sock]))
-    while not http.started:
-        assert not serve.done(), serve.exception()
-        await asyncio.sleep(0.01)
-    worker = FakeWorker(server.url, keys, MODEL, tokenizer)
-    await worker.start()
-    h = Harness(f"http://127.0.0.1:{port}", app, worker, keys, server)
-    try:
-        assert await app.state.inferq.relay.wait_ready(30), "the gateway's reply relay never subscribed"
-        yield h
-    finally:
-        await h.http.aclose()
-        await worker.stop()
-        http.should_exit = True
-        await serve
-        sock.close()
+    async with serving(app) as base_url:
+        worker = FakeWorker(server.url, keys, MODEL, tokenizer)
+        await worker.start()
+        h = Harness(base_url, app, worker, keys, server)
+        try:
+            yield h
+        finally:
+            await h.http.aclose()
+            await worker.stop()
 
 
 @pytest.fixture

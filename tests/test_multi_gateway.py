@@ -9,8 +9,8 @@ worker dies, one ``X-Request-Id`` sent to two gateways at once."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -20,7 +20,6 @@ from typing import Any
 import httpx
 import pytest
 import redis.asyncio as aioredis
-import uvicorn
 
 from gateway.app import create_app
 from shared import protocol
@@ -29,6 +28,7 @@ from shared.protocol import AbortMessage
 from shared.sampling import SamplingParams
 from shared.settings import EngineSettings, GatewaySettings, ModelSettings, RedisSettings
 from shared.streams import read_depth
+from tests.gateway_harness import serving
 from worker.backends.sim import SimBackend
 from worker.service import Worker
 
@@ -67,8 +67,7 @@ class Stack:
     tokenizer: Any
     keys: Keys = field(default_factory=lambda: Keys(f"t{uuid.uuid4().hex[:8]}"))
     workers: dict[str, tuple[Worker, asyncio.Task[None]]] = field(default_factory=dict)
-    _servers: list[tuple[uvicorn.Server, asyncio.Task[None], socket.socket, httpx.AsyncClient]] = field(
-        default_factory=list)
+    _gateways: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
     _clients: list[aioredis.Redis] = field(default_factory=list)
     _probe: aioredis.Redis | None = None
 
@@ -82,17 +81,8 @@ class Stack:
         app = create_app(GatewaySettings(**settings), RedisSettings(redis_url=self.redis_url,
                                                                     namespace=self.keys.namespace),
                          ModelSettings(max_model_len=MAX_MODEL_LEN), self.source, tokenizer=self.tokenizer)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", 0))
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=1))
-        task = asyncio.create_task(server.serve(sockets=[sock]))
-        while not server.started:
-            assert not task.done(), task.exception()
-            await asyncio.sleep(0.01)
-        assert await app.state.inferq.relay.wait_ready(10)
-        http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=60)
-        self._servers.append((server, task, sock, http))
-        return http
+        base_url = await self._gateways.enter_async_context(serving(app, relay_timeout_s=10))
+        return await self._gateways.enter_async_context(httpx.AsyncClient(base_url=base_url, timeout=60))
 
     def add_worker(self, worker_id: str) -> Worker:
         backend = RecordingSim(ModelSettings(max_model_len=MAX_MODEL_LEN), EngineSettings(max_num_seqs=8),
@@ -112,11 +102,7 @@ class Stack:
     async def close(self) -> None:
         for worker_id in list(self.workers):
             await self.kill(worker_id)
-        for server, task, sock, http in self._servers:
-            await http.aclose()
-            server.should_exit = True
-            await task
-            sock.close()
+        await self._gateways.aclose()
         for client in self._clients:
             await client.aclose()
 
