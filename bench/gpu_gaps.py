@@ -1,6 +1,11 @@
 """Where the GPU idles during an offline prefill: a torch.profiler trace of one
 ``LLM.generate`` of ``--num-prompts`` random prompts of ``--prompt-len`` tokens
-(``max_tokens`` 1), its kernels and copies ordered in time, and the gaps between them.
+(``--max-tokens``, default 1), its kernels and copies ordered in time, and the gaps
+between them. With ``--groups G``, the prompts are G groups that each share a
+``--prefix-len``-token prefix before their own ``--prompt-len`` tokens (side_by_side's
+``shared_prefix`` workload: ``--groups 32 --num-prompts 256 --prefix-len 2000
+--prompt-len 100 --max-tokens 64``), prefix caching on, and the JSON counts the prompt
+tokens the cache served (``cached_tokens``).
 
 Prints and writes (``--out``): the call's wall time, the GPU's span and busy time, the
 gaps over ``--min-gap-us`` summed by the pair of operations around them (a gap after the
@@ -53,25 +58,43 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="Qwen2.5-7B", choices=sorted(DUMMY_CONFIGS))
     ap.add_argument("--quantization", default="none", choices=("none", "fp8"))
-    ap.add_argument("--prompt-len", type=int, default=2048)
+    ap.add_argument("--prompt-len", type=int, default=2048, help="each prompt's own tokens")
     ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--groups", type=int, default=0, help="prompts sharing a prefix, in this many groups (0: none)")
+    ap.add_argument("--prefix-len", type=int, default=2000, help="the shared prefix of each group, tokens")
+    ap.add_argument("--max-tokens", type=int, default=1)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     ap.add_argument("--min-gap-us", type=float, default=5.0)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    llm = LLM(model=args.model, load_format="dummy", max_num_seqs=64, max_model_len=4096,
-              max_num_batched_tokens=4096, quantization=args.quantization)
+    if args.groups < 0 or args.num_prompts < max(args.groups, 1):
+        ap.error("--groups must be 0 or at most --num-prompts")
+    shared = args.groups > 0
+    llm = LLM(model=args.model, load_format="dummy", max_num_seqs=args.max_num_seqs,
+              max_model_len=4096 if not shared else max(4096, args.prefix_len + args.prompt_len + args.max_tokens),
+              max_num_batched_tokens=args.max_num_batched_tokens, quantization=args.quantization,
+              enable_prefix_caching=shared)
     rng = random.Random(0)
 
-    def prompts(n: int) -> list[list[int]]:
-        return [[rng.randrange(100, 150000) for _ in range(args.prompt_len)] for _ in range(n)]
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(100, 150000) for _ in range(n)]
 
-    params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
-    llm.generate(prompts(2), params)  # warm-up
+    def prompts(n: int) -> list[list[int]]:
+        if not shared:
+            return [ids(args.prompt_len) for _ in range(n)]
+        prefixes = [ids(args.prefix_len) for _ in range(args.groups)]
+        batch = [prefixes[i % args.groups] + ids(args.prompt_len) for i in range(n)]
+        rng.shuffle(batch)
+        return batch
+
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)
+    llm.generate([ids(args.prompt_len) for _ in range(2)], params)  # warm-up, nothing shared with the batch
     batch = prompts(args.num_prompts)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
-        llm.generate(batch, params)
+        outs = llm.generate(batch, params)
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - t0) * 1e3
     with tempfile.TemporaryDirectory() as tmp:
@@ -87,7 +110,11 @@ def main() -> None:
         kernels[e["name"][:60]] += e["dur"]
     res = {"date": date.today().isoformat(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "model": args.model, "quantization": args.quantization, "prompt_len": args.prompt_len,
-           "num_prompts": args.num_prompts, "wall_ms": round(wall_ms, 2), "gpu_span_ms": round(span_ms, 2),
+           "num_prompts": args.num_prompts, "groups": args.groups,
+           "prefix_len": args.prefix_len if shared else 0, "max_tokens": args.max_tokens,
+           "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+           "prompt_tokens": sum(len(p) for p in batch), "cached_tokens": sum(o.num_cached_tokens for o in outs),
+           "wall_ms": round(wall_ms, 2), "gpu_span_ms": round(span_ms, 2),
            "gpu_busy_ms": round(busy_ms, 2), "gaps_ms": round(sum(gaps.values()) / 1e3, 2),
            "gaps_by_neighbours_ms": [[a, b, round(g / 1e3, 3)] for (a, b), g in gaps.most_common(10)],
            "busiest_ms": [[n, round(d / 1e3, 2)] for n, d in kernels.most_common(15)]}
