@@ -57,19 +57,17 @@ def main(argv: Sequence[str]) -> int:
         return 2
     import torch
 
-    from shared.settings import OFFLINE_GPU_ENGINE_DEFAULTS, EngineSettings, ModelSettings, build
-    from worker.engine.engine import resolve_device
-    from worker.llm import LLM
+    from shared.settings import EngineSettings, ModelSettings, build
+    from worker.llm import LLM, offline_defaults
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = spec["engine"]
     model = build(ModelSettings, {"model": spec["model_dir"], "load_format": "dummy", "device": spec["device"],
                                   "max_model_len": engine["max_model_len"], "seed": spec.get("seed", 0)})
     # The offline LLM's own defaults, as LLM() takes them; INFERQ_* variables still win.
-    defaults = OFFLINE_GPU_ENGINE_DEFAULTS if resolve_device(model.device).type == "cuda" else None
     engine_settings = build(EngineSettings, {"max_num_seqs": engine["max_num_seqs"],
                                              "enable_prefix_caching": engine["enable_prefix_caching"]},
-                            defaults=defaults)
+                            defaults=offline_defaults(model.device))
     t0 = time.perf_counter()
     llm = LLM(**dataclasses.asdict(model), **dataclasses.asdict(engine_settings))
     build_s = time.perf_counter() - t0

@@ -33,16 +33,21 @@ class CompletionOutput:
     prompt_logprobs: list[TokenLogprobs] | None = None
 
 
+def offline_defaults(device: str) -> Mapping[str, Any]:
+    """The offline engine's defaults over ``EngineSettings``' own on ``device`` (a
+    ``ModelSettings.device``): ``OFFLINE_GPU_ENGINE_DEFAULTS`` on a GPU ("cuda", or
+    "auto" with one present), none on a CPU."""
+    return OFFLINE_GPU_ENGINE_DEFAULTS if resolve_device(device).type == "cuda" else {}
+
+
 def offline_engine_settings(given: Mapping[str, Any], device: str) -> EngineSettings:
-    """The offline engine's settings: ``given`` (fields of ``EngineSettings``), then on a
-    GPU (``device`` "cuda", or "auto" with one present) ``OFFLINE_GPU_ENGINE_DEFAULTS``,
-    then ``EngineSettings``' defaults.
+    """The offline engine's settings: ``given`` (fields of ``EngineSettings``), then
+    ``offline_defaults(device)``, then ``EngineSettings``' defaults.
 
     Raises:
         SettingsError: a value that is not allowed.
     """
-    defaults = OFFLINE_GPU_ENGINE_DEFAULTS if resolve_device(device).type == "cuda" else {}
-    return EngineSettings(**{**defaults, **given})
+    return EngineSettings(**{**offline_defaults(device), **given})
 
 
 class LLM:

@@ -69,14 +69,16 @@ class StepSync:
     def send_decode(self, dev64: torch.Tensor, dev32: torch.Tensor, num_seqs: int, max_seq_len: int) -> None:
         """Announce a decode-graph replay of ``num_seqs`` sequences (context hint
         ``max_seq_len`` tokens) and send the graphs' filled input buffers."""
-        self._send_header(OP_DECODE, num_seqs, max_seq_len)
-        self._bcast(dev64)
-        self._bcast(dev32)
+        self._send_replay(OP_DECODE, num_seqs, max_seq_len, dev64, dev32)
 
     def send_mixed(self, dev64: torch.Tensor, dev32: torch.Tensor, bucket: int, num_sampled: int) -> None:
         """Announce a mixed-step graph replay of token bucket ``bucket`` whose graphs
         gather ``num_sampled`` hidden rows, and send the graphs' filled input buffers."""
-        self._send_header(OP_MIXED, bucket, num_sampled)
+        self._send_replay(OP_MIXED, bucket, num_sampled, dev64, dev32)
+
+    def _send_replay(self, op: int, a: int, b: int, dev64: torch.Tensor, dev32: torch.Tensor) -> None:
+        """A graph replay's header ``(op, a, b)``, then its input buffers (``recv_into``)."""
+        self._send_header(op, a, b)
         self._bcast(dev64)
         self._bcast(dev32)
 
