@@ -72,7 +72,7 @@ def main() -> None:
         ap.error("--groups must be 0 or at most --num-prompts")
     shared = args.groups > 0
     llm = LLM(model=args.model, load_format="dummy", max_num_seqs=args.max_num_seqs,
-              max_model_len=4096 if not shared else max(4096, args.prefix_len + args.prompt_len + args.max_tokens),
+              max_model_len=max(4096, (args.prefix_len if shared else 0) + args.prompt_len + args.max_tokens),
               max_num_batched_tokens=args.max_num_batched_tokens, quantization=args.quantization,
               enable_prefix_caching=shared)
     rng = random.Random(0)

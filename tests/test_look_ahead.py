@@ -64,6 +64,26 @@ def test_a_token_in_flight_that_reaches_max_tokens_is_not_scheduled_again() -> N
     assert finished == [a] and a.status == RequestStatus.FINISHED_LENGTH
 
 
+def test_a_sibling_waits_for_blocks_computed_in_the_step_in_flight() -> None:
+    """Siblings of one prompt, the first admitted in the step in flight: the step
+    scheduled ahead sees that prefill as computed, but its blocks reach the prefix cache
+    only when the step is applied, so the second waits instead of computing the prompt
+    again; once the step is applied it finds all but the last token cached."""
+    s = Scheduler(BlockManager(64, 4, True), 8, 32)
+    first_req, second = _req("a", 10), _req("b", 10)
+    s.add(first_req)
+    s.add(second)
+    first = s.schedule()
+    assert [x.request.request_id for x in first.scheduled] == ["a"]  # b waits on a's first block
+    with s.ahead_of(first) as nxt:
+        assert [(x.request.request_id, x.num_tokens) for x in nxt.scheduled] == [("a", 1)]
+    s.update(first, [11])
+    s.update(nxt, [12])
+    third = s.schedule()
+    assert [(x.request.request_id, x.num_tokens) for x in third.scheduled] == [("a", 1), ("b", 2)]
+    assert second.num_cached_tokens == 8
+
+
 def test_prompts_ending_in_flight_do_not_cap_the_next_steps_prefill() -> None:
     """With the prefill capped per decoding request (Sarathi-Serve's budget), requests
     whose token in flight is their last decode no more: the step scheduled ahead gives

@@ -214,6 +214,13 @@ class BlockManager:
         request.num_cached_tokens = request.num_computed_tokens
         self._num_registered[request.request_id] = len(block_ids)
 
+    def num_registered_blocks(self, request: Request) -> int:
+        """How many of the request's leading blocks ``cache_full_blocks`` has handled
+        (registered in the prefix cache, or found there at admission): a block past
+        them may be computed on the device already (a step in flight, ``Scheduler.ahead_of``)
+        but no lookup finds it yet."""
+        return self._num_registered.get(request.request_id, 0)
+
     def record_admission(self, request: Request) -> None:
         """Count an admitted request's prompt lookup in the hit-rate counters (tokens)."""
         if self.enable_prefix_caching:
