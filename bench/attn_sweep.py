@@ -3,9 +3,10 @@ CUDA-graph replays so host launch cost is excluded. Qwen2.5-7B head shape. Print
 best config per point.
 
 - decode (default): tile, warps, stages, splits at batch/context points;
-- ``--prefill``: the prefill launch (``BLOCK_M`` rows of packed query heads, tile, warps,
-  stages) on whole prompts: 2 x 2,048 and 8 x 512 tokens, as the engine benchmark's
-  prefill steps.
+- ``--prefill``: the prefill launch (packed query heads or one head per program,
+  ``BLOCK_M`` rows, tile, warps, stages) at ``PREFILL_POINTS``: whole prompts as the engine
+  benchmark's prefill steps, a 30,000-token prompt, a long prompt's second chunk and
+  shared-prefix questions; ``--short``: a few configs instead of the grid.
 
     python -m bench.attn_sweep --out bench/results/attn_sweep_h100.json
     python -m bench.attn_sweep --prefill --out bench/results/attn_sweep_prefill_h100.json
@@ -57,42 +58,72 @@ def time_config(cfg: dict, call: functools.partial, out: torch.Tensor, ref: torc
         pa._attention_config = base_cfg
 
 
-def prefill_sweep(default_only: bool = False) -> list[dict]:
-    """The prefill launch's configs on whole prompts (no earlier context), best first per
-    point; ``default_only``: just the config ``_attention_config`` picks (a kernel A/B)."""
+#: ``--prefill`` points: (prompts, query tokens each, cached context tokens each). Whole
+#: prompts as the engine benchmark's prefill steps, one 30,000-token prompt (issue goal:
+#: its prefill in 1.0 s on an H200), a chunk of a long prompt over its first chunk, and
+#: shared-prefix questions (100 tokens over a 2,000-token cached prefix).
+PREFILL_POINTS = ((2, 2048, 0), (8, 512, 0), (1, 30000, 0), (1, 13616, 16384), (64, 100, 2000))
+
+#: Above this many query x key pairs the float32 reference is too slow: outputs are
+#: compared with the default config's instead.
+_REF_PAIRS = 2 ** 26
+
+
+def prefill_sweep(default_only: bool = False, points: tuple = PREFILL_POINTS, full: bool = True) -> list[dict]:
+    """The prefill launch's configs at ``points``, best first per point; ``default_only``:
+    just the config ``_attention_config`` picks (a kernel A/B). ``full``: the whole grid
+    (GQA-packed or one head per program, ``BLOCK_M``, tile, warps, stages), else a short
+    list around the default."""
     nh, nkv, d, bs = 28, 4, 128, 16
     dev, dt = "cuda", torch.bfloat16
     results = []
-    for num_prompts, length in ((2, 2048), (8, 512)):
-        blocks_per_seq = length // bs
+    for num_prompts, qlen, ctx in points:
+        length = qlen + ctx
+        blocks_per_seq = -(-length // bs)
         num_blocks = num_prompts * blocks_per_seq * 2
         kc = torch.randn(num_blocks, bs, nkv, d, device=dev, dtype=dt)
         vc = torch.randn_like(kc)
         tables = torch.randperm(num_blocks, device=dev)[:num_prompts * blocks_per_seq].view(num_prompts, -1).int()
-        q = torch.randn(num_prompts * length, nh, d, device=dev, dtype=dt)
-        qsl = torch.arange(0, num_prompts * length + 1, length, device=dev, dtype=torch.int32)
+        q = torch.randn(num_prompts * qlen, nh, d, device=dev, dtype=dt)
+        qsl = torch.arange(0, num_prompts * qlen + 1, qlen, device=dev, dtype=torch.int32)
         lens = torch.full((num_prompts,), length, device=dev, dtype=torch.int32)
         out = torch.empty_like(q)
-        ref = pa.paged_attention_ref(q.float(), kc.float(), vc.float(), tables, qsl, lens, d ** -0.5)
-        default = pa._attention_config(dt, nh // nkv, num_prompts, nkv, length, length, pa._num_sms(q.device))
-        rows = []
+        default = pa._attention_config(dt, nh // nkv, num_prompts, nkv, qlen, length, pa._num_sms(q.device))
         call = functools.partial(pa.paged_attention, q, kc, vc, tables, qsl, lens, d ** -0.5, out,
-                                 max_query_len=length, max_seq_len=length)
-        grid = [(default["BLOCK_M"], default["TILE"], default["num_warps"], default["num_stages"])] if default_only \
-            else itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))
-        for block_m, tile, warps, stages in grid:
-            cfg = dict(default, BLOCK_M=block_m, BLOCK_Q=block_m // (nh // nkv), TILE=tile, num_warps=warps,
-                       num_stages=stages)
-            r = time_config(cfg, call, out, ref, reps=5)
+                                 max_query_len=qlen, max_seq_len=length)
+        if num_prompts * qlen * length <= _REF_PAIRS:
+            ref = pa.paged_attention_ref(q.float(), kc.float(), vc.float(), tables, qsl, lens, d ** -0.5)
+        else:
+            call()
+            ref = out.float().clone()
+        if default_only:
+            grid = [(default.get("PACK_HEADS", True), default["BLOCK_M"], default["TILE"], default["num_warps"],
+                     default["num_stages"])]
+        elif full:
+            grid = [(True, 128, 64, 8, st) for st in (2, 3)] + list(
+                itertools.product((False,), (64, 128), (64, 128), (4, 8), (2, 3, 4)))
+        else:
+            grid = [(True, 128, 64, 8, 2), (True, 128, 64, 8, 3)] + [(False, 128, t, 8, st) for t in (64, 128)
+                                                                     for st in (2, 3)]
+        rows = []
+        for pack, block_m, tile, warps, stages in grid:
+            cfg = dict(default, BLOCK_M=block_m, BLOCK_Q=block_m // (nh // nkv) if pack else block_m, TILE=tile,
+                       num_warps=warps, num_stages=stages, PACK_HEADS=pack, NUM_SPLITS=1)
+            r = time_config(cfg, call, out, ref, reps=5 if qlen * length < 2 ** 27 else 2)
             if "us" in r:
                 r["us"] = round(r["us"], 1)
-            rows.append({"block_m": block_m, "tile": tile, "warps": warps, "stages": stages} | r)
+            rows.append({"pack": pack, "block_m": block_m, "tile": tile, "warps": warps, "stages": stages} | r)
         ok = sorted((r for r in rows if "us" in r and r["rel_err"] < 1e-2), key=lambda r: r["us"])
-        cur = next((r for r in ok if r["block_m"] == default["BLOCK_M"] and r["tile"] == default["TILE"]
+        cur = next((r for r in ok if r["pack"] == default.get("PACK_HEADS", True)
+                    and r["block_m"] == default["BLOCK_M"] and r["tile"] == default["TILE"]
                     and r["warps"] == default["num_warps"] and r["stages"] == default["num_stages"]), None)
-        flops = 4 * num_prompts * length * (length + 1) / 2 * nh * d  # causal QK^T and PV
-        point = {"num_prompts": num_prompts, "prompt_len": length, "default": cur, "best": ok[0],
-                 "best_tflops": round(flops / ok[0]["us"] / 1e6, 1), "top5": ok[:5], "errors": len(rows) - len(ok)}
+        # Causal pairs: each query sees the context and the chunk's keys up to itself.
+        pairs = num_prompts * (qlen * ctx + qlen * (qlen + 1) / 2)
+        flops = 4 * pairs * nh * d  # QK^T and PV
+        point = {"num_prompts": num_prompts, "query_len": qlen, "context_len": ctx, "default": cur,
+                 "best": ok[0] if ok else None, "default_tflops": round(flops / cur["us"] / 1e6, 1) if cur else None,
+                 "best_tflops": round(flops / ok[0]["us"] / 1e6, 1) if ok else None, "top5": ok[:5],
+                 "errors": [r for r in rows if r not in ok][:4]}
         print(json.dumps({k: v for k, v in point.items() if k != "top5"}), flush=True)
         results.append(point)
     return results
@@ -103,10 +134,11 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--prefill", action="store_true", help="sweep the prefill launch instead (module docstring)")
     ap.add_argument("--default-only", action="store_true", help="with --prefill: time only the default config")
+    ap.add_argument("--short", action="store_true", help="with --prefill: a short list of configs, not the grid")
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.prefill:
-        results = prefill_sweep(args.default_only)
+        results = prefill_sweep(args.default_only, full=not args.short)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)

@@ -264,6 +264,8 @@ except ImportError:  # CPU-only installs: the wrapper falls back to the referenc
 _LOG2E = 1.4426950408889634
 _MIN_KEYS_PER_SPLIT = 128  # below this a split's fixed cost outweighs the parallelism.
 _MAX_SPLITS = 64
+#: Prefill launches of at most this many sequences take one query head per program.
+_MAX_SEQS_ONE_HEAD = 16
 
 if triton is not None:
     _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -358,10 +360,14 @@ if triton is not None:
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
         TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
         SEQ_FILTER: tl.constexpr, SLIDING_WINDOW: tl.constexpr, QUANT_OUT: tl.constexpr,
+        PACK_HEADS: tl.constexpr = True,
     ):
-        # Program = (q-block of BLOCK_Q tokens x all QPK query heads of one KV head, split).
-        # Row m of the tile is token m // QPK, query head kv_head * QPK + m % QPK (GQA
-        # packing), so every KV tile is read once for all heads that share it.
+        # PACK_HEADS: program = (q-block of BLOCK_Q tokens x all QPK query heads of one KV
+        # head, split). Row m of the tile is token m // QPK, query head kv_head * QPK + m %
+        # QPK (GQA packing), so every KV tile is read once for all heads that share it.
+        # Off: program = (q-block of BLOCK_Q = BLOCK_M tokens, one query head): no row is
+        # padding when QPK is not a power of two (Qwen2.5-7B's 7 heads fill 7 of 8 rows),
+        # and the QPK programs of a KV head read its tiles from L2 (long prefills).
         # SEQ_FILTER: 0 = every sequence; 1 = only query_len > 1; 2 = only query_len == 1,
         # one program per sequence (grid dim 0 = num_seqs, BLOCK_Q = 1).
         # SLIDING_WINDOW: 0 = full causal; w > 0: query q_abs sees keys q_abs - w < key
@@ -371,7 +377,11 @@ if triton is not None:
         # qk_scale by the wrapper and v_scale multiplies the accumulator once at the end.
         # QUANT_OUT: each output row (one token's head) is written as one E4M3 group with
         # its float32 scale (``_store_out``), for a block-scaled FP8 o_proj.
-        kv_head = tl.program_id(1)
+        if PACK_HEADS:
+            kv_head = tl.program_id(1)
+        else:
+            head_id = tl.program_id(1)
+            kv_head = head_id // QPK
         split = tl.program_id(2)
         if SEQ_FILTER == 2:
             seq_idx = tl.program_id(0)
@@ -397,9 +407,14 @@ if triton is not None:
         offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_DIM_P)
         offs_n = tl.arange(0, TILE)
-        q_pos = q_block_local * BLOCK_Q + offs_m // QPK  # position within this chunk
-        head = kv_head * QPK + offs_m % QPK
-        row_valid = (offs_m < BLOCK_Q * QPK) & (q_pos < q_len)
+        if PACK_HEADS:
+            q_pos = q_block_local * BLOCK_Q + offs_m // QPK  # position within this chunk
+            head = kv_head * QPK + offs_m % QPK
+            row_valid = (offs_m < BLOCK_Q * QPK) & (q_pos < q_len)
+        else:
+            q_pos = q_block_local * BLOCK_Q + offs_m
+            head = head_id + tl.zeros([BLOCK_M], tl.int32)
+            row_valid = q_pos < q_len
         d_valid = offs_d < HEAD_DIM
         tok = (q_start + q_pos).to(tl.int64)
         q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
@@ -516,12 +531,23 @@ def _attention_config(dtype: torch.dtype, qpk: int, num_seqs: int, num_kv_heads:
         splits = max(splits, 1)
     else:
         big = dtype != torch.float32 and max_query_len * qpk >= 512
+        if big and max_query_len >= 512 and num_seqs <= _MAX_SEQS_ONE_HEAD:
+            # Long prompts of a few sequences: one query head per program, no padded
+            # rows (H200 sweep, bench/results/s17/attn_prefill_sweep.json: a 30,000-token
+            # prompt 22.7 -> 17.6 ms a layer, 2 x 2,048 tokens 275 -> 247 us). Not for
+            # many sequences (a mixed-step graph's 256 slots): its grid has a program per
+            # head and sequence slot, most of them returning at once.
+            block_m, tile, num_warps, num_stages = (128, 128, 8, 2) if max_query_len >= 1024 else (64, 64, 4, 2)
+            return {"BLOCK_M": block_m, "BLOCK_Q": block_m, "TILE": tile, "NUM_SPLITS": 1,
+                    "num_warps": num_warps, "num_stages": num_stages, "PACK_HEADS": False}
         block_m, num_warps = (128, 8) if big else (64, 4)
+        if big:  # a third stage: 64 x 100-token questions over 2,000 cached 920 -> 823 us
+            num_stages = 3
         block_m = max(block_m, _next_pow2(qpk))
         block_q = block_m // qpk
         splits = 1
     return {"BLOCK_M": block_m, "BLOCK_Q": block_q, "TILE": tile, "NUM_SPLITS": splits,
-            "num_warps": num_warps, "num_stages": num_stages}
+            "num_warps": num_warps, "num_stages": num_stages, "PACK_HEADS": True}
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -677,10 +703,11 @@ def _paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     common = {"QPK": qpk, "HEAD_DIM": head_dim, "HEAD_DIM_P": head_dim_p, "BLOCK_SIZE": block_size,
               "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32", "SLIDING_WINDOW": sliding_window,
               "QUANT_OUT": quant}
-    grid = (num_tokens // cfg["BLOCK_Q"] + num_seqs, num_kv_heads, splits)
+    pack = cfg.get("PACK_HEADS", True)
+    grid = (num_tokens // cfg["BLOCK_Q"] + num_seqs, num_kv_heads if pack else num_heads, splits)
     _paged_attn_kernel[grid](
         *args, **common, BLOCK_M=cfg["BLOCK_M"], BLOCK_Q=cfg["BLOCK_Q"], TILE=cfg["TILE"], NUM_SPLITS=splits,
-        SEQ_FILTER=1 if mixed else 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        SEQ_FILTER=1 if mixed else 0, PACK_HEADS=pack, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if mixed:
         dec = _attention_config(q.dtype, qpk, num_seqs, num_kv_heads, 1, max_seq_len, _num_sms(q.device))
