@@ -137,13 +137,20 @@ def tp1(llm1):
     return generate(llm1)
 
 
+#: Keys of ``tp_engine``'s settings that are the model's (``ModelSettings``); the rest are
+#: the engine's.
+MODEL_KEYS = ("dtype", "max_model_len", "quantization")
+
+
 @contextlib.contextmanager
-def tp_engine(folder: Path, device: str, size: int = 2, engine_settings: dict | None = None) -> Iterator[tuple]:
-    """Rank 0 of a TP=``size`` engine of ``engine_settings`` (default ``ENGINE``) in this
-    process (its followers are processes), the group, and the follower deaths rank 0's
-    watcher saw (instead of exiting the test process). On CPU each rank sizes its cache
-    from ``TP_KV_CACHE_BYTES``; on CUDA it keeps the explicit block count (sized from
-    free memory, a second engine in this process would find the first one's cache)."""
+def tp_engine(folder: Path, device: str, size: int = 2, engine_settings: dict | None = None,
+              kv_cache_bytes: int | None = TP_KV_CACHE_BYTES) -> Iterator[tuple]:
+    """Rank 0 of a TP=``size`` engine of ``engine_settings`` (``LLM`` keywords, default
+    ``ENGINE``) in this process (its followers are processes), the group, and the
+    follower deaths rank 0's watcher saw (instead of exiting the test process). On CPU
+    each rank sizes its cache from ``kv_cache_bytes`` (None: the settings' block count);
+    on CUDA it keeps the explicit block count (sized from free memory, a second engine in
+    this process would find the first one's cache)."""
     from shared.model_source import resolve_model
     from shared.settings import ModelSettings
     from worker.llm import LLM, offline_engine_settings
@@ -151,13 +158,13 @@ def tp_engine(folder: Path, device: str, size: int = 2, engine_settings: dict | 
 
     deaths: list[float] = []
     settings = dict(engine_settings or ENGINE)
-    if device == "cpu":
-        settings = {**{k: v for k, v in settings.items() if k != "num_kv_blocks"}, "kv_cache_bytes": TP_KV_CACHE_BYTES}
-    engine = {k: v for k, v in settings.items() if k not in ("dtype", "max_model_len")}
+    if device == "cpu" and kv_cache_bytes is not None:
+        settings = {**{k: v for k, v in settings.items() if k != "num_kv_blocks"}, "kv_cache_bytes": kv_cache_bytes}
+    model = {k: v for k, v in settings.items() if k in MODEL_KEYS}
+    engine = {k: v for k, v in settings.items() if k not in MODEL_KEYS}
     # The followers' settings must be rank 0's: LLM's (its offline defaults on a GPU too),
     # or the ranks would capture other graph buckets and desync.
-    group = start_for_engine(resolve_model(str(folder)),
-                             ModelSettings(model=str(folder), dtype="float32", max_model_len=256, device=device),
+    group = start_for_engine(resolve_model(str(folder)), ModelSettings(model=str(folder), device=device, **model),
                              offline_engine_settings({"tensor_parallel_size": size, **engine}, device),
                              on_death=lambda: deaths.append(time.monotonic()))
     llm = None

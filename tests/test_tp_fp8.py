@@ -23,11 +23,8 @@ over its own columns). The ``cuda`` test runs the block case on 2 GPUs over NCCL
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -36,6 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from shared.model_source import DUMMY_CONFIGS
 from shared.sampling import SamplingParams
+from tests.test_tensor_parallel import tp_engine
 from worker.models.config import ModelConfig
 from worker.models.fp8 import FP8_BLOCK, FP8_DTYPE, FP8_MAX, block_mm_fits, dequantize_weight, quantize_rows
 from worker.models.linear import Linear
@@ -294,30 +292,11 @@ def generate(llm, prompts: list[list[int]] = PROMPTS) -> tuple[list[list[int]], 
     return [o.token_ids for o in outs], logits
 
 
-@contextlib.contextmanager
-def tp_engine(folder: Path, device: str, dtype: str = "float32", quantization: str = "fp8", size: int = 2,
-              **settings: object) -> Iterator:
-    """Rank 0 of a TP=``size`` engine with ``--quantization quantization`` in this process
-    (its followers are processes started as the worker starts them)."""
-    from shared.model_source import resolve_model
-    from shared.settings import ModelSettings
-    from worker.llm import LLM, offline_engine_settings
-    from worker.parallel.follower import start_for_engine
-
-    deaths: list[float] = []
-    model = {"dtype": dtype, "max_model_len": 256, "device": device, "quantization": quantization}
-    engine = {"max_num_seqs": 4, "num_kv_blocks": 64, **settings}
-    group = start_for_engine(resolve_model(str(folder)), ModelSettings(model=str(folder), **model),
-                             offline_engine_settings({"tensor_parallel_size": size, **engine}, device),
-                             on_death=lambda: deaths.append(time.monotonic()))
-    llm = None
-    try:
-        llm = LLM(model=str(folder), tensor_parallel_size=size, **model, **engine)
-        yield llm
-        assert not deaths
-    finally:
-        sync = None if deaths or llm is None else llm.engine.runner.step_sync
-        group.close(sync.send_stop if sync is not None else None)
+def _tp_settings(dtype: str = "float32", quantization: str = "fp8", **settings: object) -> dict:
+    """``tp_engine``'s settings of this module's TP=2 engines: ``--quantization
+    quantization`` in ``dtype``, 64 blocks however much memory a rank has."""
+    return {"dtype": dtype, "max_model_len": 256, "quantization": quantization, "max_num_seqs": 4,
+            "num_kv_blocks": 64, **settings}
 
 
 def _tp1_and_tp2(folder: Path, quantization: str, block_scales: bool) -> tuple[tuple, tuple]:
@@ -329,11 +308,14 @@ def _tp1_and_tp2(folder: Path, quantization: str, block_scales: bool) -> tuple[t
     assert all(m.fp8_reference and m.fp8_block_scales == block_scales for m in fp8_linears(tp1.engine.runner.model))
     out1 = generate(tp1)
     del tp1
-    with tp_engine(folder, "cpu", quantization=quantization, cpu_threads=1) as llm:
+    with tp_engine(folder, "cpu", engine_settings=_tp_settings(quantization=quantization, cpu_threads=1),
+                   kv_cache_bytes=None) as (llm, _, deaths):
         model = llm.engine.runner.model
         assert len(fp8_linears(model)) == 4 * model.config.num_layers
         assert all(m.fp8_reference and m.fp8_block_scales == block_scales for m in fp8_linears(model))
-        return out1, generate(llm)
+        out2 = generate(llm)
+        assert not deaths
+        return out1, out2
 
 
 def relative_change(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -409,12 +391,13 @@ def test_tp2_block_fp8_over_nccl_matches_tp1(folders: dict[str, Path], monkeypat
     tokens1, logits1 = generate(tp1, prompts)
     del tp1
     torch.cuda.empty_cache()
-    with tp_engine(folder, "cuda", dtype="bfloat16") as llm:
+    with tp_engine(folder, "cuda", engine_settings=_tp_settings(dtype="bfloat16")) as (llm, _, deaths):
         model = llm.engine.runner.model
         assert llm.engine.runner.graphs is not None
         assert model.layers[0].mlp.down_proj.takes_quantized_input(40)  # so through forward_quantized
         tokens2, logits2 = generate(llm, prompts)
         assert llm.engine.runner.graphs.num_replays > 0
+        assert not deaths
     tp_change, fp8_change = relative_change(logits1[0], logits2[0]), relative_change(logits_bf16[0], logits1[0])
     same = sum(x == y for r, g in zip(tokens1, tokens2, strict=True) for x, y in zip(r, g, strict=True))
     print(f"first-step logits: TP=2 against TP=1 {tp_change:.4f}, FP8 against bfloat16 {fp8_change:.4f}; "
