@@ -13,7 +13,35 @@ Inputs, all in Redis:
   (``Keys.worker_load``, which it writes in every step's publish pipeline when the figure
   changed; its heartbeat's ``num_waiting_prefill_tokens`` as a fallback: a second old
   figure made follow-ups leave the worker that holds their history) and, from its
-  heartbeat, its step budget (``max_num_batched_tokens``).
+  heartbeat, its step budget (``max_num_batched_tokens``);
+- each worker's requests waiting in its placed streams (``Keys.placed_requests``, kept
+  by the same scripts) and those it holds, running or waiting (``Keys.worker_held``,
+  which its pull script writes; its heartbeat's ``num_running + num_waiting`` as a
+  fallback), and from its heartbeat its decode slots (``max_num_seqs``) and the mean
+  output tokens of the requests it finished (``mean_num_output_tokens``).
+
+A worker's queue figure (``Candidate.num_queued_tokens``, prefill tokens; the costs below
+and the near set use it, saturation only its prefill part) is its queued prefill plus the
+wait of a new request for a decode slot (``slot_wait_tokens``)::
+
+    slot_wait(w) = B_w x D_w x floor(R_w / S_w)
+
+with R_w the requests it holds, those placed on it and not pulled, and those placed on it
+earlier in the same group commit; S_w its ``max_num_seqs``, B_w its
+``max_num_batched_tokens``, D_w its mean output tokens per request
+(``DEFAULT_OUTPUT_TOKENS`` before one finished). Behind R_w requests a new one waits for
+floor(R_w / S_w) waves of outputs, D_w decode steps each, and a step is worth B_w prefill
+tokens: a burst's view. In a steady stream slots free one by one and the wait is shorter;
+the per-request form (B_w x D_w / S_w per request past the slots) was tried and moved
+every prompt whose prefix holder had one request more than another worker: 8 sim workers
+of 8 slots, shared-prefix hit rate 0.57 of one worker's against 0.65 in waves, at 929
+against 1,016 tok/s (2026-11-29). Where decode slots set the
+pace, requests waiting for one are the load, and the prefill figure misses them once their
+prompt is computed or cached (sim workers of 8 slots: docs/benchmarks.md, "Scale-out");
+NVIDIA Dynamo's router counts the decode blocks of active sequences and llm-d's queue
+scorer the waiting requests for the same reason. With fewer requests than slots
+(R_w < S_w, the common case on GPUs at ``max_num_seqs`` 256) the term is 0 and placement
+is by prefill alone, as without it.
 
 One Lua script call per group commit (``_READ``, ``Placer.place``: one round trip)
 finds, for each request and candidate worker, the cached overlap (the prompt's lookup
@@ -22,13 +50,13 @@ worker lacks: what its block manager's lookup will find, to ``PLACEMENT_TOKENS``
 each worker's placed tokens and load. The policies (``DispatchPolicy``):
 
 - ``cache_aware`` (default): cost(w) = ``UNCACHED_WEIGHT`` (2) x uncached prefill tokens
-  on w + queued prefill on w (Dynamo's KV router: prefill blocks to compute plus the worker's load; llm-d weighs a
+  on w + the queue figure of w (Dynamo's KV router: prefill blocks to compute plus the worker's load; llm-d weighs a
   prefix scorer against queue and KV scorers); the lowest cost wins. A worker whose
-  queue holds more than ``max_queued_steps`` of its steps' prefill is saturated: a
+  queued prefill exceeds ``max_queued_steps`` of its steps' prefill is saturated: a
   request goes to the shared stream, for whichever worker frees first, unless its
   cached part on the best worker is larger than its uncached part (Preble's rule:
   compute follows the cache when the cache dominates).
-- ``load``: the lowest queued prefill, no cache term; saturated: shared stream.
+- ``load``: the lowest queue figure, no cache term; saturated: shared stream.
 - ``random``: a uniformly random live worker (the baseline every paper compares with).
 
 Session affinity (``session``): a session id (``X-Session-ID``, or the body's ``user``,
@@ -36,10 +64,10 @@ by ``GatewaySettings.session_affinity``) maps to one live worker by rendezvous h
 so every gateway agrees without shared state and only the sessions of a worker that
 leaves move; that worker is used unless it is saturated.
 
-What this gateway placed on a worker since that worker's last heartbeat counts in its
-``queued`` (the heartbeat cannot show it yet, and the placed-tokens hash forgets an entry
-once it is pulled), so a burst spreads however fresh the heartbeats are; equal costs are
-broken by running requests, then at random.
+For a worker without per-step figures (an older build), what this gateway placed on it
+since its last heartbeat counts in its queue figure (the heartbeat cannot show it yet,
+and the placed hashes forget an entry once it is pulled), so a burst spreads however
+fresh the heartbeats are; equal costs are broken by running requests, then at random.
 """
 
 from __future__ import annotations
@@ -91,6 +119,28 @@ MIN_CACHED_TOKENS = 128
 PLACEMENT_TOKENS = 128
 
 
+#: A worker's mean output tokens per request (D_w of ``slot_wait_tokens``) before it
+#: finished any (``WorkerStatus.mean_num_output_tokens`` 0): the order of a chat answer
+#: (ShareGPT's average ~200 tokens). What matters on fresh workers is that it exceeds
+#: ``max_num_seqs`` several times: one request past the slots then weighs more than a
+#: step's prefill, so a burst that fills a worker's slots goes on to the others.
+DEFAULT_OUTPUT_TOKENS = 128
+
+
+def wave_tokens(max_num_batched_tokens: int, mean_num_output_tokens: float) -> int:
+    """One wave of outputs in prefill tokens: ``mean_num_output_tokens`` decode steps
+    (``DEFAULT_OUTPUT_TOKENS`` when 0), each worth ``max_num_batched_tokens``."""
+    return round(max_num_batched_tokens * (mean_num_output_tokens or DEFAULT_OUTPUT_TOKENS))
+
+
+def slot_wait_tokens(num_requests: int, max_num_seqs: int, wave: int) -> int:
+    """How long a new request waits for a decode slot on a worker that holds (or has
+    queued) ``num_requests`` requests, in prefill tokens (module docstring):
+    ``num_requests // max_num_seqs`` waves of ``wave`` tokens (``wave_tokens``); 0 while
+    a slot is free."""
+    return num_requests // max(1, max_num_seqs) * wave
+
+
 def _prefix_key(q: PlacementQuery) -> str:
     """The name ``choose`` gives a new prefix: the hash of the prompt's first
     ``MIN_CACHED_TOKENS`` tokens, "" for a shorter prompt (placed by load: a key from a
@@ -108,23 +158,27 @@ def placement_stride(block_size: int) -> int:
 #: Outcomes counted per worker in ``inferq:placements`` (``PlacementDecision.reason``).
 REASONS = ("cache", "load", "session", "random", "shared")
 
-# KEYS: the candidate workers' KV indexes, then the placed-tokens hash, the load hash.
+# KEYS: the candidate workers' KV indexes, then the placed-tokens hash, the load hash,
+#       the placed-requests hash, the held hash.
 # ARGV: the workers' ids (one per index, same order), the hash width, then per request
 #       its sampled block hashes concatenated (HASH_BYTES each: one argument per request,
 #       so the client packs one string per request and one command per group commit).
-# Returns {placed tokens per worker..., load per worker (-1: none)..., then per request
-# the overlap per worker...}: overlap = how many of the request's hashes, from the
-# first, the index holds before its first miss.
+# Returns {placed tokens per worker..., load per worker (-1: none)..., placed requests
+# per worker..., held requests per worker (-1: none)..., then per request the overlap
+# per worker...}: overlap = how many of the request's hashes, from the first, the index
+# holds before its first miss.
 _READ = """
-local n = #KEYS - 2
+local n = #KEYS - 4
 local width = tonumber(ARGV[n + 1])
 local ids = {}
 for w = 1, n do ids[w] = ARGV[w] end
 local out = {}
-local tokens = redis.call('HMGET', KEYS[n + 1], unpack(ids))
-for w = 1, n do out[w] = tonumber(tokens[w]) or 0 end
-local loads = redis.call('HMGET', KEYS[n + 2], unpack(ids))
-for w = 1, n do out[n + w] = tonumber(loads[w]) or -1 end
+for h = 1, 4 do  -- an absent placed count is 0; an absent per-step figure (2nd, 4th) -1
+  local absent = 0
+  if h % 2 == 0 then absent = -1 end
+  local values = redis.call('HMGET', KEYS[n + h], unpack(ids))
+  for w = 1, n do out[(h - 1) * n + w] = tonumber(values[w]) or absent end
+end
 for r = n + 2, #ARGV do
   local blob = ARGV[r]
   local num_blocks = math.floor(#blob / width)
@@ -181,13 +235,17 @@ class PlacementDecision:
 @dataclass(frozen=True, slots=True)
 class Candidate:
     """One worker as scored for one request: ``num_cached_tokens`` expected cached there,
-    ``num_queued_tokens`` queued there (counting what this gateway placed on it since its
-    last heartbeat, and earlier in the same group commit), ``num_running`` requests it
+    ``num_queued_tokens`` its queue figure (prefill tokens queued there plus
+    ``slot_wait_tokens``, counting what was placed on it earlier in the same group
+    commit, and for a worker without per-step figures what this gateway placed on it
+    since its last heartbeat), ``num_running`` requests it
     runs (from its heartbeat: the tie-break between equal costs, before a random one).
     ``num_shared_queued_tokens``: what every gateway reads from Redis plus what this
     group commit placed so far (None: ``num_queued_tokens``), without this gateway's
     earlier placements that only it counts; gateways judge on it which workers are near
-    the cheapest for a prompt cached nowhere, so that concurrent gateways agree."""
+    the cheapest for a prompt cached nowhere, so that concurrent gateways agree.
+    ``num_slot_wait_tokens``: the part of ``num_queued_tokens`` that is
+    ``slot_wait_tokens``, which saturation leaves out."""
 
     worker_id: str
     num_cached_tokens: int
@@ -195,6 +253,7 @@ class Candidate:
     max_queued_tokens: int
     num_running: int = 0
     num_shared_queued_tokens: int | None = None
+    num_slot_wait_tokens: int = 0
 
     @property
     def shared_queued_tokens(self) -> int:
@@ -203,7 +262,11 @@ class Candidate:
 
     @property
     def saturated(self) -> bool:
-        return self.num_queued_tokens > self.max_queued_tokens
+        """More prefill queued than ``max_queued_tokens``. A wait for a decode slot does
+        not saturate: sent to the shared stream instead, the prompts of a new prefix lost
+        their worker and computed it wherever they landed (8 sim workers of 8 slots:
+        shared-prefix hit rate 0.81 -> 0.59 of one worker's)."""
+        return self.num_queued_tokens - self.num_slot_wait_tokens > self.max_queued_tokens
 
 
 def rendezvous(session: str, worker_ids: Sequence[str]) -> str:
@@ -309,24 +372,55 @@ class WorkerView:
 class _Layout:
     """What ``Placer.place`` derives from one list of ready workers, kept while the view
     holds that list: the read script's keys and leading arguments (encoded once), each
-    worker's index by id, saturation limit (tokens) and the near-set margin (tokens)."""
+    worker's index by id, saturation limit (tokens), one wave of its outputs in prefill
+    tokens (``wave_tokens`` of its step budget, at least a block, as a status from a
+    build without it says 0) and the near-set margin (tokens)."""
 
     workers: list[WorkerStatus]
     index: dict[str, int]
     read_keys: list[bytes]
     read_args: list[bytes]
     limits: list[int]
+    wave_tokens: list[int]
     margin_tokens: int
 
     @classmethod
     def of(cls, workers: list[WorkerStatus], keys: Keys, model: str, max_queued_steps: float) -> _Layout:
         ids = [w.worker_id for w in workers]
         block_size = workers[0].block_size
-        read_keys = [*(keys.kv_index(model, w) for w in ids), keys.placed_tokens(model), keys.worker_load(model)]
+        read_keys = [*(keys.kv_index(model, w) for w in ids), keys.placed_tokens(model), keys.worker_load(model),
+                     keys.placed_requests(model), keys.worker_held(model)]
+        step_tokens = [max(w.max_num_batched_tokens, block_size) for w in workers]
         return cls(workers, {w: j for j, w in enumerate(ids)}, [k.encode() for k in read_keys],
                    [*(w.encode() for w in ids), str(HASH_BYTES).encode()],
-                   [int(max_queued_steps * max(w.max_num_batched_tokens, block_size)) for w in workers],
+                   [int(max_queued_steps * b) for b in step_tokens],
+                   [wave_tokens(b, w.mean_num_output_tokens) for b, w in zip(step_tokens, workers, strict=True)],
                    max(w.max_num_batched_tokens for w in workers))
+
+    def candidate(self, j: int, queue: _Queue) -> Candidate:
+        """Worker ``j`` with ``queue``, holding none of the prompt: its queue figure is
+        the prefill queued plus ``slot_wait_tokens``, on every gateway's view
+        (``num_shared_queued_tokens``) and with this gateway's own recent placements."""
+        w = self.workers[j]
+        slots, wave = w.max_num_seqs, self.wave_tokens[j]
+        num_requests = queue.num_requests
+        shared = queue.num_tokens + slot_wait_tokens(num_requests, slots, wave)
+        own_wait = slot_wait_tokens(num_requests + queue.num_recent_requests, slots, wave)
+        own = queue.num_tokens + queue.num_recent_tokens + own_wait
+        return Candidate(w.worker_id, 0, own, self.limits[j], w.num_running, shared, own_wait)
+
+
+@dataclass(slots=True)
+class _Queue:
+    """One worker's queue during one group commit: the prefill tokens and the requests
+    queued or held there as every gateway reads them from Redis, plus those this commit
+    placed there (``num_tokens``, ``num_requests``); and what only this gateway counts,
+    for a worker without per-step figures (``num_recent_*``: ``Placer._recent``)."""
+
+    num_tokens: int
+    num_requests: int
+    num_recent_tokens: int = 0
+    num_recent_requests: int = 0
 
 
 class Placer:
@@ -351,8 +445,9 @@ class Placer:
         self._read = client.register_script(_READ)
         self._predict = client.register_script(_PREDICT)
         self._predict_loaded = False
-        #: Per worker: (its heartbeat's ``updated_unix_s``, prefill tokens placed on it since).
-        self._since_heartbeat: dict[str, tuple[float, int]] = {}
+        #: Per worker: (its heartbeat's ``updated_unix_s``, prefill tokens and requests
+        #: placed on it since).
+        self._since_heartbeat: dict[str, tuple[float, int, int]] = {}
         self._rng = rng or random.Random()
         self._layout: _Layout | None = None
 
@@ -393,11 +488,13 @@ class Placer:
         # PLACEMENT_TOKENS (a chat's second turn) is looked up block by block, and the
         # overlap of a long one is exact to a block once its sampled hashes all hit. The
         # last token ends a full block only when the prompt is whole blocks: only then
-        # does leaving it out drop a block (and the list need copying).
-        usable = prompt_token_ids[:-1] if len(prompt_token_ids) % block_size == 0 else prompt_token_ids
-        return PlacementQuery(sampled_block_hashes(usable, block_size, stride, with_tail=True),
-                              len(prompt_token_ids), session,
-                              sampled_prefix_lengths(len(usable), block_size, stride, with_tail=True))
+        # does leaving it out drop a block.
+        num_prompt_tokens = len(prompt_token_ids)
+        usable = num_prompt_tokens - 1 if num_prompt_tokens % block_size == 0 else num_prompt_tokens
+        return PlacementQuery(sampled_block_hashes(prompt_token_ids, block_size, stride, with_tail=True,
+                                                   num_tokens=usable),
+                              num_prompt_tokens, session,
+                              sampled_prefix_lengths(usable, block_size, stride, with_tail=True))
 
     async def place(self, queries: Sequence[PlacementQuery | None]) -> list[tuple[PlacementDecision | None,
                                                                                     list[bytes]]]:
@@ -419,25 +516,27 @@ class Placer:
         if not self._predict_loaded:  # add_predictions runs EVALSHA inside another pipeline
             self._predict.sha = await self.client.script_load(_PREDICT)
             self._predict_loaded = True
-        # Per worker, the candidate that holds none of the prompt: its queue is what every
-        # gateway reads (held + placed), and for a worker without a per-step load figure,
-        # what this gateway placed since its heartbeat (_recent).
-        base = []
+        # Per worker, its queue as every gateway reads it (held + placed, tokens and
+        # requests), and for a worker without a per-step figure, what this gateway placed
+        # since its heartbeat (_recent).
+        queues = []
         for j, w in enumerate(workers):
-            load = reply[n + j]
-            shared = _held(w, load) + reply[j]
-            queued = shared if load >= 0 else shared + self._recent(w)
-            base.append(Candidate(w.worker_id, 0, queued, layout.limits[j], w.num_running, shared))
-        decided = iter(self._choose_each(todo, reply, base, layout))
+            load, held = reply[n + j], reply[3 * n + j]
+            recent_tokens, recent_requests = self._recent(w)
+            queues.append(_Queue(_held(w, load) + reply[j], _held_requests(w, held) + reply[2 * n + j],
+                                 recent_tokens if load < 0 else 0, recent_requests if held < 0 else 0))
+        decided = iter(self._choose_each(todo, reply, queues, layout))
         return [(None, []) if q is None else next(decided) for q in queries]
 
-    def _choose_each(self, todo: list[PlacementQuery], reply: list[int], base: list[Candidate],
+    def _choose_each(self, todo: list[PlacementQuery], reply: list[int], queues: list[_Queue],
                      layout: _Layout) -> list[tuple[PlacementDecision, list[bytes]]]:
         """``choose`` for each query of ``todo`` in turn, from the read script's ``reply``
-        and ``base`` (``place``), each placement counted for the queries after it: its
-        prefill in its worker's queue (``base``, changed for that worker only), its
-        hashes in that worker's predicted blocks."""
-        n = len(base)
+        and the workers' ``queues`` (``place``), each placement counted for the queries
+        after it: its prefill and one request in its worker's queue (``base``, changed
+        for that worker only), its hashes in that worker's predicted blocks."""
+        n = len(queues)
+        # Per worker, the candidate that holds none of the prompt.
+        base = [layout.candidate(j, queue) for j, queue in enumerate(queues)]
         # The blocks this call predicted on each worker: the read script ran before any of
         # them, so a burst of prompts sharing a prefix would otherwise place its first
         # few on different workers, each computing the prefix.
@@ -445,7 +544,7 @@ class Placer:
         out = []
         for k, q in enumerate(todo):
             candidates = list(base)
-            for j, overlap in enumerate(reply[(2 + k) * n:(3 + k) * n]):
+            for j, overlap in enumerate(reply[(4 + k) * n:(5 + k) * n]):
                 held = predicted_here[j]
                 # Predicted blocks can only lengthen the overlap if they hold its next hash.
                 if held and overlap < len(q.hashes) and q.hashes[overlap] in held:
@@ -453,7 +552,8 @@ class Placer:
                 if overlap:
                     c = base[j]
                     candidates[j] = Candidate(c.worker_id, q.prefix_lengths[overlap - 1], c.num_queued_tokens,
-                                              c.max_queued_tokens, c.num_running, c.num_shared_queued_tokens)
+                                              c.max_queued_tokens, c.num_running, c.num_shared_queued_tokens,
+                                              c.num_slot_wait_tokens)
             decision = choose(self.policy, q.num_prompt_tokens, candidates, q.session, self._rng,
                               prefix_key=_prefix_key(q), margin_tokens=layout.margin_tokens)
             target = decision.placement.worker_id
@@ -462,10 +562,12 @@ class Placer:
                 j = layout.index[target]
                 tokens = decision.placement.num_prefill_tokens
                 status = layout.workers[j]
-                self._since_heartbeat[target] = (status.updated_unix_s, self._recent(status) + tokens)
-                c = base[j]
-                base[j] = Candidate(target, 0, c.num_queued_tokens + tokens, c.max_queued_tokens, c.num_running,
-                                    c.shared_queued_tokens + tokens)
+                recent_tokens, recent_requests = self._recent(status)
+                self._since_heartbeat[target] = (status.updated_unix_s, recent_tokens + tokens, recent_requests + 1)
+                queue = queues[j]
+                queue.num_tokens += tokens
+                queue.num_requests += 1
+                base[j] = layout.candidate(j, queue)
                 if self.policy == "cache_aware":
                     predicted = q.hashes
                     predicted_here[j].update(predicted)
@@ -479,16 +581,17 @@ class Placer:
             self._layout = _Layout.of(workers, self.keys, self.model, self.max_queued_steps)
         return self._layout
 
-    def _recent(self, status: WorkerStatus) -> int:
-        """Prefill tokens this gateway placed on the worker of ``status`` since that
-        heartbeat was written (this call's included): its ``num_waiting_prefill_tokens``
-        cannot show them yet, and the placed-tokens hash stops counting them once the
-        worker pulls them. Counted only for a worker without a per-step load figure
-        (whose held tokens come from its heartbeat, up to a second old); the per-step
-        figure shows them to every gateway alike. (Compared by the heartbeat's own
-        timestamp, so no clock skew between hosts enters.)"""
-        stamp, tokens = self._since_heartbeat.get(status.worker_id, (0.0, 0))
-        return tokens if stamp >= status.updated_unix_s else 0
+    def _recent(self, status: WorkerStatus) -> tuple[int, int]:
+        """Prefill tokens and requests this gateway placed on the worker of ``status``
+        since that heartbeat was written (this call's included): its
+        ``num_waiting_prefill_tokens`` and ``num_running + num_waiting`` cannot show them
+        yet, and the placed hashes stop counting them once the worker pulls them. Each
+        counted only for a worker without the per-step figure (load, held requests), whose
+        own comes from its heartbeat, up to a second old; the per-step figures show them
+        to every gateway alike. (Compared by the heartbeat's own timestamp, so no clock
+        skew between hosts enters.)"""
+        stamp, tokens, requests = self._since_heartbeat.get(status.worker_id, (0.0, 0, 0))
+        return (tokens, requests) if stamp >= status.updated_unix_s else (0, 0)
 
     def add_predictions(self, pipe: Pipeline, predictions: Sequence[tuple[str, list[bytes]]]) -> None:
         """Add to ``pipe`` the SADD of each ``(worker id, block hashes)`` into that
@@ -511,6 +614,12 @@ def _held(status: WorkerStatus, load: int) -> int:
     """The prompt tokens a worker holds uncomputed: from the load hash (written each step,
     -1 when absent), else from its heartbeat (up to ``HEARTBEAT_INTERVAL_S`` old)."""
     return load if load >= 0 else status.num_waiting_prefill_tokens
+
+
+def _held_requests(status: WorkerStatus, held: int) -> int:
+    """The requests a worker holds, running or waiting: from the held hash (written by
+    its pulls, -1 when absent), else from its heartbeat."""
+    return held if held >= 0 else status.num_running + status.num_waiting
 
 
 #: Header that names a request's session (``GatewaySettings.session_affinity``).

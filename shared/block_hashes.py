@@ -135,21 +135,27 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
 
 
 def sampled_block_hashes(token_ids: Sequence[int], block_size: int, stride: int,
-                         with_tail: bool = False) -> list[bytes]:
+                         with_tail: bool = False, num_tokens: int | None = None) -> list[bytes]:
     """The hashes of blocks ``stride - 1, 2 * stride - 1, ...`` among the full blocks of
-    ``token_ids``: ``block_hashes(token_ids, block_size)[stride - 1::stride]``, at one
+    ``token_ids`` (of its first ``num_tokens``, default all, without copying the list):
+    ``block_hashes(token_ids[:num_tokens], block_size)[stride - 1::stride]``, at one
     finalization per ``stride`` blocks; with ``with_tail``, then also the hash of every
     full block after the last of those (fewer than ``stride``: all of a prompt shorter
     than one stride). ``sampled_prefix_lengths`` gives the tokens each hash names.
 
     Raises:
-        ValueError: ``block_size`` or ``stride`` not positive.
+        ValueError: ``block_size`` or ``stride`` not positive, or ``num_tokens`` past
+            the end of ``token_ids``.
     """
     if stride <= 0:
         raise ValueError(f"stride must be positive, got {stride}")
+    if num_tokens is None:
+        num_tokens = len(token_ids)
+    elif not 0 <= num_tokens <= len(token_ids):
+        raise ValueError(f"num_tokens {num_tokens} is not within the {len(token_ids)} tokens")
     state = _start(block_size)
-    sampled = len(token_ids) // (block_size * stride) * block_size * stride
-    num_tokens = len(token_ids) // block_size * block_size if with_tail else sampled
+    sampled = num_tokens // (block_size * stride) * block_size * stride
+    num_tokens = num_tokens // block_size * block_size if with_tail else sampled
     # Packs the tokens past the last hashed block too (under a stride's): cheaper than copying the list.
     data = memoryview(token_bytes(token_ids))[:4 * num_tokens]
     update, digest = state.update, state.digest

@@ -34,7 +34,10 @@ Two Lua scripts do every change, so each is atomic however many gateways and wor
   a lower one for). Then, per class, up to ``extra[class]`` more entries, each from the
   stream with the smallest counter that the worker did not exclude (a full engine's fair
   share of slots between tenants: ``worker/engine/fair_share.py``). When every class
-  came up empty, nothing waits: it clears the doorbell.
+  came up empty, nothing waits: it clears the doorbell. A placed entry taken leaves its
+  owner's placed tokens and placed requests; given the requests the consumer's engine
+  holds, the script writes them plus those it took (``Keys.worker_held``), so placement
+  counts every pulled request in one of the two at every moment.
 
 An entry's cost is ``PROMPT_TOKEN_WEIGHT * prompt tokens + OUTPUT_TOKEN_WEIGHT *
 max_tokens`` (VTC's cost function ``w_p * input + w_q * output``; our weights make an
@@ -222,8 +225,8 @@ end
 """
 
 # KEYS: stream, class active set, model's stream set, doorbell (the model's, or the
-#       placed-on worker's), base stream, placed-tokens hash, stream of the entry to
-#       finish first[, request-id key]
+#       placed-on worker's), base stream, placed-tokens hash, placed-requests hash,
+#       stream of the entry to finish first[, request-id key]
 # ARGV: group, stream field, cost field, entry id to finish first ("" none), ttl, wire id,
 #       max rings, join offset (JOIN_OFFSET), arrivals channel ("" none), its message, the
 #       most entries that may wait (admission's ``max_queue_len``; -1: no limit), worker
@@ -233,7 +236,7 @@ end
 #       take it past the limit; false when the request-id key exists. Nothing is written
 #       unless it returns ids. A placed entry joins no active set (its worker reads it
 #       first, whatever the counters say) and adds its prefill tokens to its worker's
-#       field of the placed-tokens hash.
+#       field of the placed-tokens hash, and 1 to its field of the placed-requests hash.
 _ENQUEUE = _WAITING_FN + """
 local max_waiting = tonumber(ARGV[11])
 local first_arg = 16
@@ -241,12 +244,12 @@ if max_waiting >= 0 then
   local waiting = num_waiting(3, 5)
   if waiting + (#ARGV - first_arg + 1) / 3 > max_waiting then return waiting end
 end
-if #KEYS > 7 and not redis.call('SET', KEYS[8], ARGV[6], 'NX', 'EX', ARGV[5]) then
+if #KEYS > 8 and not redis.call('SET', KEYS[9], ARGV[6], 'NX', 'EX', ARGV[5]) then
   return false
 end
 if ARGV[4] ~= '' then
-  redis.pcall('XACK', KEYS[7], ARGV[1], ARGV[4])
-  redis.call('XDEL', KEYS[7], ARGV[4])
+  redis.pcall('XACK', KEYS[8], ARGV[1], ARGV[4])
+  redis.call('XDEL', KEYS[8], ARGV[4])
 end
 if redis.call('SADD', KEYS[3], KEYS[1]) == 1 then
   redis.pcall('XGROUP', 'CREATE', KEYS[1], ARGV[1], '0', 'MKSTREAM')
@@ -264,6 +267,7 @@ for i = first_arg, #ARGV, 3 do
     ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[i + 2], ARGV[3], ARGV[i],
                                ARGV[14], ARGV[i + 1], ARGV[15], ARGV[13])
     redis.call('HINCRBY', KEYS[6], ARGV[12], ARGV[i + 1])
+    redis.call('HINCRBY', KEYS[7], ARGV[12], 1)
   else
     ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[i + 2], ARGV[3], ARGV[i], ARGV[14], ARGV[i + 1])
   end
@@ -276,11 +280,13 @@ return ids
 
 # KEYS: the classes' active sets (highest class first; n of them), base stream,
 #       doorbell, the consumer's own placed streams (one per class, same order),
-#       placed-tokens hash, the consumer's own doorbell, then the steal streams (other
-#       workers' placed streams).
+#       placed-tokens hash, the consumer's own doorbell, placed-requests hash, held
+#       hash, then the steal streams (other workers' placed streams).
 # ARGV: 1 group, 2 consumer, 3 cost field, 4 prefill field, 5 charge field, 6 the most
 #       streams to scan for fair-share extras, 7 prefill budget (tokens; -1 none), 8 the
-#       limit for the base stream's hand-made entries, 9 number of steal streams, then
+#       limit for the base stream's hand-made entries, 9 number of steal streams, 10 the
+#       requests the consumer holds (-1: write nothing; else the script writes them plus
+#       the entries it took to the consumer's field of the held hash), then
 #       per class the most entries to hold in all once that class's are taken, per class
 #       the fair-share extra entries, per steal stream (owner worker id, class index
 #       1..n, the least age in ms of an entry it may take), then the streams excluded
@@ -294,12 +300,13 @@ return ids
 # positive budget, so a prompt longer than the budget still runs.
 _PULL = """
 local n_steal = tonumber(ARGV[9])
-local n = (#KEYS - 4 - n_steal) / 2
+local n = (#KEYS - 6 - n_steal) / 2
 local base, doorbell = KEYS[n + 1], KEYS[n + 2]
-local tokens_key, own_bell = KEYS[2 * n + 3], KEYS[2 * n + 4]
+local tokens_key, own_bell, requests_key = KEYS[2 * n + 3], KEYS[2 * n + 4], KEYS[2 * n + 5]
+local held_key = KEYS[2 * n + 6]
 local limited = tonumber(ARGV[7]) >= 0
 local left = tonumber(ARGV[7])
-local steal_args = 10 + 2 * n
+local steal_args = 11 + 2 * n
 local excluded = {}
 for i = steal_args + 3 * n_steal, #ARGV do excluded[ARGV[i]] = true end
 local function room() return (not limited) or left > 0 end
@@ -341,14 +348,16 @@ local function take(c, stream)
   taken(stream, entries[1])
   return true
 end
--- One entry of a placed stream of ``owner``: its prefill leaves the owner's waiting
--- tokens, its cost goes to its tenant's counter if that tenant is active.
+-- One entry of a placed stream of ``owner``: it and its prefill leave the owner's
+-- waiting requests and tokens, its cost goes to its tenant's counter if that tenant is
+-- active.
 local function take_placed(c, stream, owner)
   local entries = read(stream, 1, true)
   if #entries == 0 then return false end
   local fields = entries[1][2]
   local prefill = tonumber(field(fields, ARGV[4])) or 0
   if prefill ~= 0 then redis.call('HINCRBY', tokens_key, owner, -prefill) end
+  redis.call('HINCRBY', requests_key, owner, -1)
   local charge = field(fields, ARGV[5])
   if charge then redis.call('ZADD', KEYS[c], 'XX', 'INCR', tonumber(field(fields, ARGV[3])) or 1, charge) end
   taken(stream, entries[1])
@@ -379,7 +388,7 @@ local function waiting_age_ms(stream)
 end
 local own_empty = true
 for c = 1, n do
-  local want = tonumber(ARGV[9 + c])
+  local want = tonumber(ARGV[10 + c])
   while #out < want and room() do
     if not take_placed(c, KEYS[n + 2 + c], ARGV[2]) then break end
   end
@@ -389,7 +398,7 @@ for c = 1, n do
     if #top == 0 then break end
     take(c, top[1])
   end
-  local extra = tonumber(ARGV[9 + n + c])
+  local extra = tonumber(ARGV[10 + n + c])
   if extra > 0 then
     for _, stream in ipairs(redis.call('ZRANGE', KEYS[c], 0, tonumber(ARGV[6]) - 1)) do
       if extra == 0 then break end
@@ -402,10 +411,10 @@ if #out < want and room() then
   for _, e in ipairs(read(base, want - #out)) do taken(base, e) end
 end
 for j = 1, n_steal do
-  local stream = KEYS[2 * n + 4 + j]
+  local stream = KEYS[2 * n + 6 + j]
   local at = steal_args + 3 * (j - 1)
   local owner, c, min_age = ARGV[at], tonumber(ARGV[at + 1]), tonumber(ARGV[at + 2])
-  while #out < tonumber(ARGV[9 + c]) and room() do
+  while #out < tonumber(ARGV[10 + c]) and room() do
     local age = waiting_age_ms(stream)
     if age == nil or age < min_age then break end
     if not take_placed(c, stream, owner) then break end
@@ -417,6 +426,8 @@ for c = 1, n do
 end
 if empty then redis.call('DEL', doorbell) end
 if own_empty then redis.call('DEL', own_bell) end
+local held = tonumber(ARGV[10])
+if held >= 0 then redis.call('HSET', held_key, ARGV[2], held + #out) end
 return out
 """
 
@@ -458,7 +469,8 @@ class FairQueue:
         worker) they go to ``stream``, which joins its class's active set; placed on a
         worker, to that worker's placed stream of the class (``Keys.placed_stream``),
         charged to ``stream``'s tenant when pulled, and each counts
-        ``placement.num_prefill_tokens`` in the worker's placed tokens. With
+        ``placement.num_prefill_tokens`` in the worker's placed tokens and one in its
+        placed requests (``Keys.placed_requests``) until a worker takes it. With
         ``request_id_key``, only if that key is absent (it then holds ``wire_id`` for
         ``ttl_s`` s); returns None when it was present. ``finish_entry_id``: an entry of
         ``finish_stream`` (default: where the requests go) to XACK + XDEL first
@@ -538,7 +550,8 @@ class FairQueue:
         else:
             target, doorbell = stream, self.keys.doorbell(self.model)
         keys = [target, self.active_set(priority_class), self.keys.model_streams(self.model), doorbell,
-                self.base_stream, self.keys.placed_tokens(self.model), finish_stream or target]
+                self.base_stream, self.keys.placed_tokens(self.model), self.keys.placed_requests(self.model),
+                finish_stream or target]
         if request_id_key is not None:
             keys.append(request_id_key)
         # A class above the lowest is announced on the arrivals channel, with its tenant: a
@@ -556,7 +569,7 @@ class FairQueue:
 
     async def pull(self, consumer: str, count: int | Sequence[int], extra: Sequence[int] = (),
                    excluded: Collection[str] = (), *, prefill_budget: int = -1,
-                   steal: Sequence[StealFrom] = ()) -> list[tuple[str, bytes, dict[bytes, bytes]]]:
+                   steal: Sequence[StealFrom] = (), num_held: int = -1) -> list[tuple[str, bytes, dict[bytes, bytes]]]:
         """Deliver waiting entries to ``consumer``: per class, highest first, its own placed
         stream (``Keys.placed_stream(model, consumer, class)``) first, then the tenant
         with the smallest virtual token counter. ``count``: the most entries in all, or per
@@ -569,7 +582,10 @@ class FairQueue:
         ``prefill_budget`` (tokens, -1: none): stop once the entries taken carry this many
         prefill tokens (``PREFILL_FIELD``; the first needs only a positive budget).
         ``steal``: other workers' placed streams to take from, while room is left, the
-        entries that waited there at least ``StealFrom.min_age_ms``.
+        entries that waited there at least ``StealFrom.min_age_ms``. ``num_held`` >= 0:
+        the requests the consumer's engine holds; the script writes them plus the entries
+        it took to the consumer's field of ``Keys.worker_held`` (placement's count, in
+        the same step as the placed-requests count drops).
         Returns ``(stream, entry id, fields)`` triples in the order they were chosen.
 
         Raises:
@@ -581,13 +597,14 @@ class FairQueue:
         own = [self.keys.placed_stream(self.model, consumer, c) for c in PRIORITY_CLASSES]
         keys = [*self._active, self.base_stream, self.keys.doorbell(self.model), *own,
                 self.keys.placed_tokens(self.model), self.keys.worker_doorbell(self.model, consumer),
+                self.keys.placed_requests(self.model), self.keys.worker_held(self.model),
                 *(self.keys.placed_stream(self.model, s.worker_id, s.priority_class) for s in steal)]
         steal_args: list[Any] = []
         for s in steal:
             steal_args += [s.worker_id, class_rank(s.priority_class) + 1, s.min_age_ms]
         reply = await self._pull(keys=keys, args=[
             CONSUMER_GROUP, consumer, COST_FIELD, PREFILL_FIELD, CHARGE_FIELD, FAIR_SHARE_SCAN_STREAMS,
-            prefill_budget, counts[class_rank(DEFAULT_CLASS)], len(steal), *counts, *extras, *steal_args, *excluded])
+            prefill_budget, counts[class_rank(DEFAULT_CLASS)], len(steal), num_held, *counts, *extras, *steal_args, *excluded])
         out = []
         for stream, entry_id, flat in reply or []:
             fields = {flat[i]: flat[i + 1] for i in range(0, len(flat), 2)}

@@ -23,7 +23,9 @@ In the table, ``{{model}}`` is the model name in braces and every other ``{...}`
 | ``{ns}:{{model}}:placed:{worker_id}:{class}`` | stream: requests the gateway placed on one worker, per class | gateway (enqueue script) | that worker first (pull script), an idle worker after ``steal_after_ms``, any live worker once it is dead |
 | ``{ns}:{{model}}:doorbell:{worker_id}`` | list: rings for one worker's placed streams | enqueue script (RPUSH) | that worker (BLPOP, beside the model's doorbell) |
 | ``{ns}:{{model}}:placed-tokens`` | hash: worker id -> prefill tokens waiting in its placed streams | enqueue script (HINCRBY), pull script (HINCRBY -) | gateways (placement) |
+| ``{ns}:{{model}}:placed-requests`` | hash: worker id -> requests waiting in its placed streams | enqueue script (HINCRBY), pull script (HINCRBY -1) | gateways (placement) |
 | ``{ns}:{{model}}:load`` | hash: worker id -> prompt tokens it holds uncomputed | that worker (HSET in its step pipeline, when changed) | gateways (placement script) |
+| ``{ns}:{{model}}:held`` | hash: worker id -> requests it holds (running + waiting) | that worker (pull script HSET, with what it took; HSET when it changed without a pull) | gateways (placement script) |
 | ``{ns}:{{model}}:kv:{worker_id}`` | set of 16-byte block hashes (``shared/block_hashes.py``) one worker's prefix cache holds | that worker (KV events: SADD stored, SREM removed, per step; DEL + SADD of its whole cache every ``KV_INDEX_RESYNC_S``), gateways (SADD a placed prompt's blocks) | gateways (placement script) |
 | ``{ns}:gateway:{gateway_id}`` | pub/sub channel | workers (token/error messages) | the gateway that owns the requests |
 | ``{ns}:control`` | pub/sub channel | gateways (aborts) | every worker |
@@ -126,11 +128,23 @@ class Keys:
         """Hash worker id -> prefill tokens waiting (undelivered) in its placed streams."""
         return f"{self._model(model)}:placed-tokens"
 
+    def placed_requests(self, model: str) -> str:
+        """Hash worker id -> requests waiting (undelivered) in its placed streams."""
+        return f"{self._model(model)}:placed-requests"
+
     def worker_load(self, model: str) -> str:
         """Hash worker id -> the prompt tokens it holds uncomputed (its engine's
         ``num_waiting_prefill_tokens``), written in each step's publish pipeline when it
         changed: placement's load, fresher than the heartbeat's."""
         return f"{self._model(model)}:load"
+
+    def worker_held(self, model: str) -> str:
+        """Hash worker id -> the requests it holds (its engine's running + waiting),
+        written by its pull script together with the entries it takes (so a pulled
+        request leaves the placed-requests count and joins this one at once), and when
+        it changed without a pull: placement's count of the requests that wait for or
+        hold a decode slot there."""
+        return f"{self._model(model)}:held"
 
     def kv_index(self, model: str, worker_id: str) -> str:
         """Set of the block hashes (``shared/block_hashes.py``, 16 bytes each) that worker

@@ -155,8 +155,12 @@ class WorkerStatus(msgspec.Struct, tag="status", kw_only=True):
     prompt tokens of the requests it holds that are not computed yet (cache hits left
     out); ``num_blocks`` (KV-cache size, blocks); ``max_num_batched_tokens``;
     ``prefix_cache_queries`` / ``prefix_cache_hits`` (tokens looked up / found since
-    start). ``max_model_len`` (tokens) is the longest prompt + output it runs: gateways
-    use the ready workers' value. 0 in a status from a build without them.
+    start); ``mean_num_output_tokens``, a moving average of the output tokens (decode
+    steps) of the requests it finished (0: none finished yet, or a build without it: the
+    gateway then assumes ``gateway.placement.DEFAULT_OUTPUT_TOKENS``), which with
+    ``max_num_seqs`` prices a wait for a decode slot. ``max_model_len`` (tokens) is the
+    longest prompt + output it runs: gateways use the ready workers' value. 0 in a
+    status from a build without them.
 
     KV fragmentation of its running requests (``EngineStats``, both 0..1, 0 from a build
     or backend without them): ``kv_internal_fragmentation``, the share of the KV slots
@@ -186,6 +190,7 @@ class WorkerStatus(msgspec.Struct, tag="status", kw_only=True):
     max_model_len: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    mean_num_output_tokens: float = 0.0
     kv_internal_fragmentation: float = 0.0
     kv_contiguous_waste_ratio: float = 0.0
     v: int = PROTOCOL_VERSION

@@ -23,6 +23,8 @@ from gateway.placement import (
     choose,
     placement_stride,
     rendezvous,
+    slot_wait_tokens,
+    wave_tokens,
 )
 from shared import protocol
 from shared.block_hashes import (
@@ -37,6 +39,8 @@ from shared.fair_queue import FairQueue, Placement, StealFrom
 from shared.keys import HEARTBEAT_TTL_S, STREAM_FIELD, Keys
 from shared.protocol import GenerateRequest, WorkerStatus
 from shared.sampling import SamplingParams
+from shared.streams import as_text, finish_entry
+from worker.placed import forget_dead_workers
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -59,11 +63,13 @@ def _ids(pulled: list[tuple[str, bytes, dict[bytes, bytes]]]) -> list[str]:
 
 
 async def _heartbeat(client: aioredis.Redis, keys: Keys, worker_id: str, *, block_size: int = BLOCK,
-                     waiting: int = 0) -> None:
-    status = WorkerStatus(worker_id=worker_id, model=MODEL, backend="sim", num_running=0, num_waiting=0,
-                          kv_usage=0.0, num_free_blocks=100, block_size=block_size, max_num_seqs=8,
+                     waiting: int = 0, max_num_seqs: int = 8, mean_num_output_tokens: float = 0.0,
+                     running: int = 0) -> None:
+    status = WorkerStatus(worker_id=worker_id, model=MODEL, backend="sim", num_running=running, num_waiting=0,
+                          kv_usage=0.0, num_free_blocks=100, block_size=block_size, max_num_seqs=max_num_seqs,
                           updated_unix_s=time.time(), started_unix_s=time.time(), pid=1,
-                          num_waiting_prefill_tokens=waiting, max_num_batched_tokens=256, num_blocks=100)
+                          num_waiting_prefill_tokens=waiting, max_num_batched_tokens=256, num_blocks=100,
+                          mean_num_output_tokens=mean_num_output_tokens)
     await client.set(keys.worker_key(worker_id), protocol.encode(status), ex=HEARTBEAT_TTL_S)
 
 
@@ -94,8 +100,14 @@ def test_sampled_hashes_are_the_workers_block_hashes_at_every_stride() -> None:
             every[stride - 1::stride] + [every[b] for b in tail])
         lengths = sampled_prefix_lengths(len(tokens), BLOCK, stride, with_tail=True)
         assert lengths == [(k + 1) * stride * BLOCK for k in range(37 // stride)] + [(b + 1) * BLOCK for b in tail]
+        # The first num_tokens alone, as the list cut there would give.
+        for num_tokens in (0, 5 * BLOCK, 5 * BLOCK - 1, len(tokens) - 3):
+            assert sampled_block_hashes(tokens, BLOCK, stride, True, num_tokens=num_tokens) == \
+                sampled_block_hashes(tokens[:num_tokens], BLOCK, stride, True)
     with pytest.raises(ValueError):
         sampled_block_hashes(tokens, BLOCK, 0)
+    with pytest.raises(ValueError):
+        sampled_block_hashes(tokens, BLOCK, 2, num_tokens=len(tokens) + 1)
 
 
 def test_the_incremental_hasher_equals_the_whole_prompt_function() -> None:
@@ -172,6 +184,48 @@ def test_random_spreads_over_every_worker() -> None:
     assert picks == {"a", "b"}
 
 
+def test_a_wait_for_a_decode_slot_costs_whole_waves_of_outputs() -> None:
+    """Behind R requests on S slots a new one waits R // S rounds of outputs, D steps
+    each, a step worth B prefill tokens; nothing while a slot is free, and the same
+    within a wave."""
+    assert [slot_wait_tokens(r, 8, wave_tokens(2048, 32)) for r in range(8)] == [0] * 8
+    assert [slot_wait_tokens(r, 8, wave_tokens(2048, 32)) for r in range(8, 16)] == [2048 * 32] * 8
+    assert slot_wait_tokens(16, 8, wave_tokens(2048, 32)) == 2 * 2048 * 32
+
+
+def test_a_wait_for_a_slot_does_not_saturate() -> None:
+    """Saturation is prefill queued past the limit; a wait for a decode slot, however
+    long, is not: a new prefix still goes to a worker (and its siblings can follow),
+    not to the shared stream."""
+    wait = slot_wait_tokens(16, 8, wave_tokens(2048, 32))
+    waiting = Candidate("a", 0, 100 + wait, 1000, num_slot_wait_tokens=wait)
+    assert not waiting.saturated
+    assert Candidate("a", 0, 1001, 1000).saturated
+    decision = choose("cache_aware", 500, [waiting, Candidate("b", 0, 200 + wait, 1000, num_slot_wait_tokens=wait)])
+    assert decision.placement.worker_id == "a" and decision.reason == "load"
+
+
+def _slots(worker_id: str, num_requests: int, queued: int = 0, cached: int = 0) -> Candidate:
+    """A candidate of 8 slots, 2,048-token steps and 32-token answers holding ``num_requests``."""
+    return _cand(worker_id, cached=cached, queued=queued + slot_wait_tokens(num_requests, 8, wave_tokens(2048, 32)))
+
+
+def test_a_worker_with_full_slots_loses_a_request_to_one_with_a_free_slot() -> None:
+    """a's slots are full (8 of 8), b has one free and a slightly longer prefill queue:
+    b wins under both policies, even against a's cached prefix; with a free slot on a
+    too, the choice is today's (prefill alone)."""
+    full, free = _slots("a", 8), _slots("b", 7, queued=300)
+    for policy in ("cache_aware", "load"):
+        assert choose(policy, 1000, [full, free]).placement.worker_id == "b"  # type: ignore[arg-type]
+    assert choose("cache_aware", 1000, [_slots("a", 8, cached=960), free]).placement == Placement("b", 1000)
+    for held in range(8):  # R < S: the term is 0, so the queues are the prefill tokens alone
+        both = [_slots("a", held), _slots("b", 7, queued=300)]
+        assert [c.num_queued_tokens for c in both] == [0, 300]
+        assert choose("load", 1000, both).placement.worker_id == "a"
+        assert choose("cache_aware", 1000, [_slots("a", held, queued=1900, cached=960), free]).placement == \
+            Placement("a", 40)
+
+
 # -- on Redis ------------------------------------------------------------------------------
 async def test_the_read_script_finds_each_workers_overlap_and_queue(client: aioredis.Redis) -> None:
     """Workers announce every block's hash; a gateway looks up every
@@ -197,12 +251,16 @@ async def test_the_read_script_finds_each_workers_overlap_and_queue(client: aior
     [(decision, predicted)] = await placer.place([query])
     assert decision is not None and decision.placement == Placement("w1", len(prompt) - 6 * step)
     assert decision.num_cached_tokens == 6 * step and predicted == query.hashes
-    # Per worker: placed tokens, load (-1: none), then per request the overlaps.
+    # Per worker: placed tokens, load (-1: none), placed requests (w1: the one placed
+    # just now), held requests (-1: none), then per request the overlaps.
     await client.hset(keys.worker_load(MODEL), "w1", 7)
-    reply = await client.evalsha(placer._read.sha, 4, keys.kv_index(MODEL, "w1"), keys.kv_index(MODEL, "w2"),
-                                 keys.placed_tokens(MODEL), keys.worker_load(MODEL), "w1", "w2", HASH_BYTES,
+    await client.hset(keys.worker_held(MODEL), "w2", 3)
+    await client.hset(keys.placed_requests(MODEL), "w1", 1)
+    reply = await client.evalsha(placer._read.sha, 6, keys.kv_index(MODEL, "w1"), keys.kv_index(MODEL, "w2"),
+                                 keys.placed_tokens(MODEL), keys.worker_load(MODEL), keys.placed_requests(MODEL),
+                                 keys.worker_held(MODEL), "w1", "w2", HASH_BYTES,
                                  b"".join(query.hashes), b"".join(query.hashes[:1]))
-    assert reply == [0, 5, 7, -1, 6, 2, 1, 1]
+    assert reply == [0, 5, 7, -1, 1, 0, -1, 3, 6, 2, 1, 1]
     async with client.pipeline(transaction=False) as pipe:
         placer.add_predictions(pipe, [("w2", predicted)])
         await pipe.execute()
@@ -333,6 +391,49 @@ async def test_a_burst_through_the_group_commit_spreads_over_the_workers(client:
     assert again.stream == first.stream and again.decision is not None and again.decision.reason == "cache"
 
 
+async def test_a_burst_on_full_slots_spreads_by_requests_and_the_counts_go_back_to_zero(
+        client: aioredis.Redis) -> None:
+    """Three workers of 2 slots whose held prompts are all computed (no prefill queued,
+    which is all the token figure sees): w1 holds 4 requests, w3 3 (its heartbeat's
+    count: it writes no per-step figure), w2 none. 9 distinct prompts in one group commit
+    leave every worker within one wave (2 requests) of the others (16 in all). The placed-request
+    counts go back to 0 as workers pull their own entries and take over another's, the
+    pull writes the puller's held requests, and the cleanup after a dead worker drops
+    its fields."""
+    keys = _keys()
+    for w, running in (("w1", 0), ("w2", 0), ("w3", 3)):
+        await _heartbeat(client, keys, w, max_num_seqs=2, mean_num_output_tokens=16, running=running)
+    await client.hset(keys.worker_held(MODEL), mapping={"w1": 4, "w2": 0})
+    await client.hset(keys.worker_load(MODEL), mapping={"w1": 0, "w2": 0, "w3": 0})
+    placer = Placer(client, keys, MODEL, "cache_aware", 1000.0)
+    await placer.refresh()
+    prompts = [list(range(1000 * (i + 1), 1000 * (i + 1) + 300)) for i in range(9)]
+    decisions = [d for d, _ in await placer.place([placer.query(p) for p in prompts])]
+    queue = FairQueue(client, keys, MODEL)
+    for i, d in enumerate(decisions):
+        assert d is not None and d.placement.worker_id is not None
+        await queue.enqueue(queue.stream("default", "t"), [_request(f"r{i}", prompts[i])], placement=d.placement)
+    placed = {as_text(k): int(v) for k, v in (await client.hgetall(keys.placed_requests(MODEL))).items()}
+    assert sum(placed.values()) == 9
+    total = {w: placed.get(w, 0) + held for w, held in (("w1", 4), ("w2", 0), ("w3", 3))}
+    assert max(total.values()) - min(total.values()) <= 2, total  # within one wave of 2 slots
+    # w1 pulls its own; w3 takes over w2's (as after steal_after_ms), then its own.
+    taken = await queue.pull("w1", 10, num_held=4)
+    assert len(taken) == placed.get("w1", 0)
+    assert int(await client.hget(keys.worker_held(MODEL), "w1")) == 4 + len(taken)
+    stolen = await queue.pull("w3", [10, 10, 10], steal=[StealFrom("w2", "default", 0)], num_held=3)
+    assert len(stolen) == placed.get("w2", 0) + placed.get("w3", 0)
+    assert int(await client.hget(keys.worker_held(MODEL), "w3")) == 3 + len(stolen)
+    counts = await client.hgetall(keys.placed_requests(MODEL))
+    assert {int(v) for v in counts.values()} == {0}, counts
+    for stream, entry_id, _ in stolen:  # finished: w3's placed stream is empty
+        await finish_entry(client, stream, entry_id)
+    await forget_dead_workers(client, keys, MODEL, ["w3"])
+    assert await client.hget(keys.placed_requests(MODEL), "w3") is None
+    assert await client.hget(keys.worker_held(MODEL), "w3") is None
+    assert await client.hget(keys.worker_held(MODEL), "w1") is not None  # only the dead one's
+
+
 async def test_the_load_written_each_step_overrides_a_stale_heartbeat(client: aioredis.Redis) -> None:
     """A heartbeat up to a second old may still show a finished burst's prefill: the
     per-step load hash says the worker is idle now, so its cached follow-up stays there."""
@@ -376,8 +477,8 @@ async def test_two_gateways_placing_one_new_prefix_at_once_agree(client: aioredi
     prompts of one prefix land on one worker, because the workers near the cheapest are
     judged on the queue Redis shows both, not on each gateway's own commit so far."""
     keys = _keys()
-    for w in ("w1", "w2"):
-        await _heartbeat(client, keys, w)
+    for w in ("w1", "w2"):  # slots to spare (a GPU's 256): no wait for a slot, the cache decides
+        await _heartbeat(client, keys, w, max_num_seqs=256)
     gateways = [Placer(client, keys, MODEL, "cache_aware", 1000.0, rng=random.Random(g)) for g in range(2)]
     for placer in gateways:
         await placer.refresh()

@@ -60,7 +60,8 @@ def test_every_key_of_a_model_carries_its_hash_tag() -> None:
     k, model = Keys("ns"), "Qwen/Qwen2.5-7B"
     names = [k.requests_stream(model), k.class_stream(model, "interactive", "t1"), k.model_streams(model),
              k.active_streams(model, "batch"), k.doorbell(model), k.placed_stream(model, "w1", "default"),
-             k.worker_doorbell(model, "w1"), k.placed_tokens(model), k.worker_load(model), k.kv_index(model, "w1"),
+             k.worker_doorbell(model, "w1"), k.placed_tokens(model), k.placed_requests(model), k.worker_load(model),
+             k.worker_held(model), k.kv_index(model, "w1"),
              k.rate_limit_key(model, "t1"), k.request_id_key(model, "t1", "req-1"), k.arrivals_channel(model)]
     assert all(n.startswith("ns:{Qwen/Qwen2.5-7B}:") for n in names)
     assert {key_slot(n.encode()) for n in names} == {key_slot(model.encode())}

@@ -191,6 +191,41 @@ async def test_the_heartbeat_reports_load_sizes_and_prefix_cache_counters(client
     assert (s.prefix_cache_queries, s.prefix_cache_hits) == (300, 0)
 
 
+async def test_the_pull_writes_the_requests_held_and_the_heartbeat_their_mean_output(client: aioredis.Redis) -> None:
+    """Placement's inputs from a worker of 2 slots: the requests it holds, written by its
+    pulls (2 while a third waits in its placed stream, 0 once all are done; gone at
+    exit), and the moving average of the output tokens its requests generated here (a
+    continuation's earlier outputs left out)."""
+    keys = _keys()
+    queue = FairQueue(client, keys, MODEL)
+    worker = Worker(client, keys, MODEL, "w1", _sim(step_time_ms=10.0, max_num_seqs=2), drain_timeout_s=5.0)
+    held_key, placed_key = keys.worker_held(MODEL), keys.placed_requests(MODEL)
+    assert worker.status().mean_num_output_tokens == 0.0  # none finished: the gateway's default applies
+
+    async def counts() -> tuple[int, int]:
+        return int(await client.hget(held_key, "w1") or -1), int(await client.hget(placed_key, "w1") or 0)
+
+    async with _subscribed(client, keys) as pubsub, _running(worker):
+        replies = Replies()
+        requests = [_request(keys, f"r{i}", [1, 2, 3], n) for i, n in enumerate((40, 80, 120))]
+        for r in requests:
+            await queue.enqueue(queue.stream("default", "t"), [r], placement=Placement("w1", 3))
+        await _wait_for(lambda: _equals(counts(), (2, 1)))
+        await _collect(pubsub, replies, [r.request_id for r in requests], 20)
+        assert worker.output_lengths.mean == pytest.approx(40 + (80 - 40) / 16 + (120 - 42.5) / 16)
+        resumed = _request(keys, "c", [1, 2, 3], 60)
+        resumed.output_token_ids = [7] * 50  # 10 left to generate here
+        await queue.enqueue(queue.stream("default", "t"), [resumed])
+        await _collect(pubsub, replies, ["c"], 10)
+        assert worker.status().mean_num_output_tokens == pytest.approx(47.34375 + (10 - 47.34375) / 16)
+        await _wait_for(lambda: _equals(counts(), (0, 0)))
+    assert await client.hget(held_key, "w1") is None
+
+
+async def _equals(value, expected) -> bool:  # type: ignore[no-untyped-def]
+    return await value == expected
+
+
 # -- the prefill budget -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("max_waiting_prefill_tokens", [-1, 0])

@@ -10,8 +10,9 @@ after a dead worker.
   have waited in each before this worker takes it: ``steal_after_ms`` on a live worker's
   (0: never), at once on a dead one's (``FairQueue.pull``'s ``steal``).
 - ``forget_dead_workers``: one atomic script per dead worker drops its KV index and its
-  empty placed streams (SREM from the model's set, DEL), then, once none is left, its
-  field of the placed-tokens hash and its doorbell. A placed stream that still holds
+  empty placed streams (SREM from the model's set, DEL) and its fields of the load and
+  held-requests hashes, then, once none is left, its fields of the placed-tokens and
+  placed-requests hashes and its doorbell. A placed stream that still holds
   entries stays: live workers take its undelivered entries (``steal_sources``) and the
   reaper claims its pending ones, and a later pass deletes it.
 """
@@ -29,12 +30,13 @@ from shared.redis_connect import AsyncClient
 from worker.backends.kv_events import KVEvents
 
 # KEYS: the model's stream set, the placed-tokens hash, the worker's KV index, its
-#       doorbell, the load hash, then its placed streams (one per class).
+#       doorbell, the load hash, the held-requests hash, the placed-requests hash, then
+#       its placed streams (one per class).
 # ARGV: the worker's id.
 # Returns how many of its placed streams still hold entries.
 _FORGET = """
 local left = 0
-for i = 6, #KEYS do
+for i = 8, #KEYS do
   if redis.call('XLEN', KEYS[i]) == 0 then
     redis.call('SREM', KEYS[1], KEYS[i])
     redis.call('DEL', KEYS[i])
@@ -44,8 +46,10 @@ for i = 6, #KEYS do
 end
 redis.call('DEL', KEYS[3])
 redis.call('HDEL', KEYS[5], ARGV[1])
+redis.call('HDEL', KEYS[6], ARGV[1])
 if left == 0 then
   redis.call('HDEL', KEYS[2], ARGV[1])
+  redis.call('HDEL', KEYS[7], ARGV[1])
   redis.call('DEL', KEYS[4])
 end
 return left
@@ -108,7 +112,8 @@ async def forget_dead_workers(client: AsyncClient, keys: Keys, model: str, worke
         async with client.pipeline(transaction=False) as pipe:
             for wid in ids:
                 wkeys = [keys.model_streams(model), keys.placed_tokens(model), keys.kv_index(model, wid),
-                         keys.worker_doorbell(model, wid), keys.worker_load(model),
+                         keys.worker_doorbell(model, wid), keys.worker_load(model), keys.worker_held(model),
+                         keys.placed_requests(model),
                          *(keys.placed_stream(model, wid, c) for c in PRIORITY_CLASSES)]
                 pipe.evalsha(script.sha, len(wkeys), *wkeys, wid)
             replies = await pipe.execute(raise_on_error=False)

@@ -1,6 +1,7 @@
 """Engine progress as the worker's heartbeat reports it: steps completed, when the last
 one ended, and how long the step in flight has been running (docs/operations.md,
-"Liveness and readiness").
+"Liveness and readiness"); and how long its requests' outputs run (``OutputLengths``:
+placement's price of a wait for a decode slot).
 
 The worker's event loop calls ``started`` and ``finished`` around every step it runs on
 the engine thread. A hung step never calls ``finished``, but the event loop keeps
@@ -81,6 +82,30 @@ class StepClock:
             log.error("engine step %d has run %.1f s, longer than engine_stall_timeout_s (%.0f s): the heartbeat "
                       "reports the engine stalled; gateways fail over the %d requests held here",
                       self.num_steps + 1, self.running_s(), self.stall_timeout_s, num_held)
+
+
+#: Weight of the newest finished request in ``OutputLengths``' moving average: about
+#: the last 16 requests count.
+OUTPUT_LENGTH_WEIGHT = 1 / 16
+
+
+class OutputLengths:
+    """A moving average of the output tokens of the requests a worker finished (its
+    decode steps per request, one token per step without speculation): ``mean`` is 0
+    until one finished, then that one's length, then an exponential moving average of
+    weight ``OUTPUT_LENGTH_WEIGHT``. Heartbeat field ``WorkerStatus.mean_num_output_tokens``."""
+
+    def __init__(self) -> None:
+        self.mean = 0.0
+        self.num_finished = 0
+
+    def add(self, num_output_tokens: int) -> None:
+        """Count one finished request that generated ``num_output_tokens`` here."""
+        self.num_finished += 1
+        if self.num_finished == 1:
+            self.mean = float(num_output_tokens)
+        else:
+            self.mean += OUTPUT_LENGTH_WEIGHT * (num_output_tokens - self.mean)
 
 
 class StepTrace:

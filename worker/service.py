@@ -10,12 +10,14 @@ Each turn of the loop:
    still gets one request of a tenant that runs fewer of it than another, which the
    engine preempts one of the other's for; then, with room left, entries that waited
    ``steal_after_ms`` in another live worker's placed stream, or any in a dead one's:
-   ``worker/placed.py``); when the engine is idle and nothing waits, block briefly on the
-   model's doorbell and the worker's own, which every enqueue rings;
+   ``worker/placed.py``), and write the requests the engine holds plus those taken
+   (``Keys.worker_held``, for placement); when the engine is idle and nothing waits,
+   block briefly on the model's doorbell and the worker's own, which every enqueue rings;
 3. run one engine step on the engine thread (``worker/engine_thread.py``), off the
    event loop, while the previous step's outputs are published;
 4. start publishing this step's outputs: the step's KV events on the worker's KV index
-   (``Keys.kv_index``: SADD stored, SREM removed, DEL cleared), then one ``TokenBatch``
+   (``Keys.kv_index``: SADD stored, SREM removed, DEL cleared), the prompt tokens the
+   engine holds uncomputed when that changed (``Keys.worker_load``), then one ``TokenBatch``
    per gateway (every request of that gateway with new tokens), and XACK + XDEL of the
    entries of finished requests, in one pipeline; requests whose gateway is gone (PUBLISH
    reached 0 subscribers) are aborted at the next turn.
@@ -51,7 +53,7 @@ from worker.backends.base import EngineBackend, RequestOutput, RequestRejected
 from worker.backends.kv_events import NO_KV_EVENTS, KVEvents, merge_kv_events
 from worker.engine_thread import EngineThread
 from worker.placed import add_kv_events, forget_dead_workers, placed_owners, steal_sources
-from worker.progress import StepClock, StepTrace
+from worker.progress import OutputLengths, StepClock, StepTrace
 
 #: How often a worker replaces its KV index with its whole prefix cache, seconds
 #: (``Worker._take_kv_events``). The rewrite is one DEL and one SADD in the step's publish
@@ -83,12 +85,14 @@ def default_worker_id() -> str:
 
 @dataclass(slots=True)
 class InFlight:
-    """Where a running request came from (its stream and entry) and where its tokens go."""
+    """Where a running request came from (its stream and entry) and where its tokens go;
+    ``num_resumed_tokens``: the outputs it came with (a continuation), not generated here."""
 
     stream: str
     entry_id: bytes
     reply_channel: str
     attempt: int
+    num_resumed_tokens: int = 0
 
 
 class Worker:
@@ -142,8 +146,10 @@ class Worker:
         self.kv_index = keys.kv_index(model, self.worker_id)
         # KV events taken from the engine and not yet in Redis (a publish failed).
         self._kv_backlog: KVEvents = NO_KV_EVENTS
-        # The load last written to the model's load hash (-1: none yet).
-        self._published_load = -1
+        # The load and held requests last written to the model's hashes (-1: none yet).
+        self._published_load = self._published_held = -1
+        #: Output tokens per finished request (the heartbeat's ``mean_num_output_tokens``).
+        self.output_lengths = OutputLengths()
 
     @property
     def num_steps(self) -> int:
@@ -177,6 +183,7 @@ class Worker:
             try:
                 await self.redis.delete(self.keys.worker_key(self.worker_id), self.kv_index)
                 await self.redis.hdel(self.keys.worker_load(self.model), self.worker_id)
+                await self.redis.hdel(self.keys.worker_held(self.model), self.worker_id)
             except RedisError:
                 pass
         log.info("worker %s drained after %d steps", self.worker_id, self.num_steps)
@@ -273,15 +280,26 @@ class Worker:
                 extra[rank] = 1
                 excluded += [self.queue.stream(name, tenant) for tenant in blocked]
         budget = self.prefill_budget()
+        stats = self.backend.stats()
+        # The requests held, for placement (``Keys.worker_held``): the pull script writes
+        # them plus what it takes, so a gateway finds each pulled request in this
+        # worker's placed count or in its held one, never in neither. Written on the
+        # loop, between steps, not by the publish: a publish runs beside the pull, and
+        # its older count could reach Redis after the pull's.
+        held = stats.num_running + stats.num_waiting
         if (max(counts) <= 0 or budget == 0) and not any(extra):
+            if held != self._published_held:
+                await self.redis.hset(self.keys.worker_held(self.model), self.worker_id, held)
+                self._published_held = held
             if block_ms is not None:
                 await asyncio.sleep(block_ms / 1000)
             return
         entries = await self.queue.pull(self.worker_id, counts, extra, excluded, prefill_budget=budget,
-                                        steal=self.steal)
+                                        steal=self.steal, num_held=held)
         if not entries and block_ms is not None and await self.queue.wait(block_ms / 1000, self.worker_id):
             entries = await self.queue.pull(self.worker_id, counts, extra, excluded, prefill_budget=budget,
-                                            steal=self.steal)
+                                            steal=self.steal, num_held=held)
+        self._published_held = held + len(entries)
         for stream, entry_id, fields in entries:
             await self._admit(stream, entry_id, fields)
 
@@ -390,7 +408,8 @@ class Worker:
         except RequestRejected as exc:
             await self._fail(message, stream, entry_id, 400, str(exc))
             return
-        self.inflight[message.request_id] = InFlight(stream, entry_id, message.reply_channel, message.attempt)
+        self.inflight[message.request_id] = InFlight(stream, entry_id, message.reply_channel, message.attempt,
+                                                     len(message.output_token_ids))
         if self.trace is not None:
             self.trace.pulled += 1
 
@@ -443,6 +462,7 @@ class Worker:
         batches: dict[str, list[TokenOutput]] = {}
         errors: list[tuple[str, ErrorMessage]] = []
         finished: list[tuple[str, InFlight]] = []
+        lengths: list[int] = []  # output tokens of each request that finished
         for out in outputs:
             info = self.inflight.get(out.request_id)
             if info is None:
@@ -460,6 +480,7 @@ class Worker:
                 logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs))
             if out.finish_reason is not None:
                 finished.append((out.request_id, info))
+                lengths.append(out.first_index + len(out.new_token_ids) - info.num_resumed_tokens)
         async with self.redis.pipeline(transaction=False) as pipe:
             num_kv = add_kv_events(pipe, self.kv_index, kv_events)
             if load != self._published_load:
@@ -477,6 +498,8 @@ class Worker:
         self._backlog = []
         self._kv_backlog = NO_KV_EVENTS
         self._published_load = load
+        for num_tokens in lengths:
+            self.output_lengths.add(num_tokens)
         # Results come back in command order: the KV index's, the PUBLISHes, then XACK,
         # XDEL per finish.
         for (channel, entries), receivers in zip(batches.items(), results[num_kv:], strict=False):
@@ -518,6 +541,7 @@ class Worker:
                             num_waiting_prefill_tokens=s.num_waiting_prefill_tokens, num_blocks=s.num_blocks,
                             max_num_batched_tokens=b.max_num_batched_tokens, max_model_len=b.max_model_len,
                             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+                            mean_num_output_tokens=self.output_lengths.mean,
                             kv_internal_fragmentation=s.kv_internal_fragmentation,
                             kv_contiguous_waste_ratio=s.kv_contiguous_waste_ratio)
 
