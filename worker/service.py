@@ -279,8 +279,8 @@ class Worker:
             if blocked is not None:
                 extra[rank] = 1
                 excluded += [self.queue.stream(name, tenant) for tenant in blocked]
-        budget = self.prefill_budget()
         stats = self.backend.stats()
+        budget = self.prefill_budget(stats.num_waiting_prefill_tokens)
         # The requests held, for placement (``Keys.worker_held``): the pull script writes
         # them plus what it takes, so a gateway finds each pulled request in this
         # worker's placed count or in its held one, never in neither. Written on the
@@ -303,14 +303,14 @@ class Worker:
         for stream, entry_id, fields in entries:
             await self._admit(stream, entry_id, fields)
 
-    def prefill_budget(self) -> int:
+    def prefill_budget(self, num_waiting_prefill_tokens: int) -> int:
         """Prefill tokens the next pull may take (``FairQueue.pull``'s ``prefill_budget``):
-        ``max_waiting_prefill_tokens`` less what the engine holds uncomputed, at least 0;
-        -1 when unbounded. Call between steps."""
+        ``max_waiting_prefill_tokens`` less ``num_waiting_prefill_tokens``, what the
+        engine holds uncomputed (its ``stats()``, taken between steps), at least 0; -1
+        when unbounded."""
         if self.max_waiting_prefill_tokens == 0:
             return -1
-        held = self.backend.stats().num_waiting_prefill_tokens
-        return max(0, self.max_waiting_prefill_tokens - held)
+        return max(0, self.max_waiting_prefill_tokens - num_waiting_prefill_tokens)
 
     async def reap(self) -> int:
         """Claim entries pending on dead consumers (as many as the engine admits) and run
