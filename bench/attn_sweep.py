@@ -97,7 +97,7 @@ def prefill_sweep(default_only: bool = False, points: tuple = PREFILL_POINTS, fu
             call()
             ref = out.float().clone()
         if default_only:
-            grid = [(default.get("PACK_HEADS", True), default["BLOCK_M"], default["TILE"], default["num_warps"],
+            grid = [(default["PACK_HEADS"], default["BLOCK_M"], default["TILE"], default["num_warps"],
                      default["num_stages"])]
         elif full:
             grid = [(True, 128, 64, 8, st) for st in (2, 3)] + list(
@@ -114,7 +114,7 @@ def prefill_sweep(default_only: bool = False, points: tuple = PREFILL_POINTS, fu
                 r["us"] = round(r["us"], 1)
             rows.append({"pack": pack, "block_m": block_m, "tile": tile, "warps": warps, "stages": stages} | r)
         ok = sorted((r for r in rows if "us" in r and r["rel_err"] < 1e-2), key=lambda r: r["us"])
-        cur = next((r for r in ok if r["pack"] == default.get("PACK_HEADS", True)
+        cur = next((r for r in ok if r["pack"] == default["PACK_HEADS"]
                     and r["block_m"] == default["BLOCK_M"] and r["tile"] == default["TILE"]
                     and r["warps"] == default["num_warps"] and r["stages"] == default["num_stages"]), None)
         # Causal pairs: each query sees the context and the chunk's keys up to itself.

@@ -703,7 +703,7 @@ def _paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     common = {"QPK": qpk, "HEAD_DIM": head_dim, "HEAD_DIM_P": head_dim_p, "BLOCK_SIZE": block_size,
               "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32", "SLIDING_WINDOW": sliding_window,
               "QUANT_OUT": quant}
-    pack = cfg.get("PACK_HEADS", True)
+    pack = cfg["PACK_HEADS"]
     grid = (num_tokens // cfg["BLOCK_Q"] + num_seqs, num_kv_heads if pack else num_heads, splits)
     _paged_attn_kernel[grid](
         *args, **common, BLOCK_M=cfg["BLOCK_M"], BLOCK_Q=cfg["BLOCK_Q"], TILE=cfg["TILE"], NUM_SPLITS=splits,
