@@ -34,8 +34,9 @@ floor(R_w / S_w) waves of outputs, D_w decode steps each, and a step is worth B_
 tokens: a burst's view. In a steady stream slots free one by one and the wait is shorter;
 the per-request form (B_w x D_w / S_w per request past the slots) was tried and moved
 every prompt whose prefix holder had one request more than another worker: 8 sim workers
-of 8 slots, shared-prefix hit rate 0.57 of one worker's against 0.65 in waves, at 929
-against 1,016 tok/s (2026-11-29). Where decode slots set the
+of 8 slots, shared-prefix hit rate 0.57 of one worker's against 0.64 in waves, at 929
+against 1,032 tok/s (2026-11-29; bench/results/placement/sim_cpu_50ms_slots*.json). Where
+decode slots set the
 pace, requests waiting for one are the load, and the prefill figure misses them once their
 prompt is computed or cached (sim workers of 8 slots: docs/benchmarks.md, "Scale-out");
 NVIDIA Dynamo's router counts the decode blocks of active sequences and llm-d's queue
@@ -119,11 +120,10 @@ MIN_CACHED_TOKENS = 128
 PLACEMENT_TOKENS = 128
 
 
-#: A worker's mean output tokens per request (D_w of ``slot_wait_tokens``) before it
-#: finished any (``WorkerStatus.mean_num_output_tokens`` 0): the order of a chat answer
-#: (ShareGPT's average ~200 tokens). What matters on fresh workers is that it exceeds
-#: ``max_num_seqs`` several times: one request past the slots then weighs more than a
-#: step's prefill, so a burst that fills a worker's slots goes on to the others.
+#: A worker's mean output tokens per request (D_w of ``wave_tokens``) before it finished
+#: any (``WorkerStatus.mean_num_output_tokens`` 0): the order of a chat answer (ShareGPT's
+#: average ~200 tokens). On fresh workers it only has to make a wave outweigh the prefill
+#: a cached prefix saves, so that a burst that fills a worker's slots goes on to the others.
 DEFAULT_OUTPUT_TOKENS = 128
 
 
@@ -264,8 +264,8 @@ class Candidate:
     def saturated(self) -> bool:
         """More prefill queued than ``max_queued_tokens``. A wait for a decode slot does
         not saturate: sent to the shared stream instead, the prompts of a new prefix lost
-        their worker and computed it wherever they landed (8 sim workers of 8 slots:
-        shared-prefix hit rate 0.81 -> 0.59 of one worker's)."""
+        their worker and computed it wherever they landed (8 sim workers of 8 slots, in a
+        run whose JSON was not kept)."""
         return self.num_queued_tokens - self.num_slot_wait_tokens > self.max_queued_tokens
 
 

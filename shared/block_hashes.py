@@ -156,7 +156,8 @@ def sampled_block_hashes(token_ids: Sequence[int], block_size: int, stride: int,
     state = _start(block_size)
     sampled = num_tokens // (block_size * stride) * block_size * stride
     num_tokens = num_tokens // block_size * block_size if with_tail else sampled
-    # Packs the tokens past the last hashed block too (under a stride's): cheaper than copying the list.
+    # Packs every token, also those past the last hashed block (under a stride's, and the
+    # caller's last one left out by num_tokens): cheaper than copying the list.
     data = memoryview(token_bytes(token_ids))[:4 * num_tokens]
     update, digest = state.update, state.digest
     out = []
