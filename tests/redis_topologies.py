@@ -13,6 +13,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
@@ -30,6 +31,9 @@ DOWN_AFTER_MS = 1000
 FAILOVER_TIMEOUT_MS = 5000
 #: A cluster node's bus port is its port plus this.
 CLUSTER_BUS_OFFSET = 10000
+#: Ports tried for one node: a port free when picked can be taken by another process
+#: before redis-server binds it (CI runs many servers and clients at once).
+PORT_ATTEMPTS = 5
 
 
 def cluster_port() -> int:
@@ -59,6 +63,10 @@ def redis_cli_path() -> str:
     return str(Path(redis_server_path()).with_name("redis-cli"))
 
 
+class ExitedError(AssertionError):
+    """A redis-server process ended before it answered PING."""
+
+
 @dataclass
 class _Node:
     """One redis-server process (data node or Sentinel) on ``port``."""
@@ -76,19 +84,48 @@ class _Node:
                                      preexec_fn=parent_death_preexec(signal.SIGTERM))  # noqa: PLW1509
         log.close()
 
+    @classmethod
+    def launch(cls, directory: Path, pick_port: Callable[[], int],
+               argv_for: Callable[[int, Path], Sequence[str]]) -> _Node:
+        """A node that answers PING, started with ``argv_for(port, directory)`` on a port
+        from ``pick_port``; when the process exits before it answers (its port taken
+        between the pick and the bind), it starts again on another port, at most
+        ``PORT_ATTEMPTS`` times. Raises AssertionError with the last log's tail."""
+        for _ in range(PORT_ATTEMPTS - 1):
+            node = cls(pick_port(), directory)
+            node.start(*argv_for(node.port, directory))
+            try:
+                node.wait_ping()
+                return node
+            except ExitedError:
+                shutil.rmtree(directory, ignore_errors=True)
+        node = cls(pick_port(), directory)
+        node.start(*argv_for(node.port, directory))
+        node.wait_ping()
+        return node
+
     def client(self) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
 
+    def log_tail(self, num_chars: int = 600) -> str:
+        log = self.directory / "redis.log"
+        return log.read_text(errors="replace")[-num_chars:] if log.exists() else ""
+
     def wait_ping(self, timeout_s: float = 10.0) -> None:
+        """Raises ExitedError if the process exits first, TimeoutError after
+        ``timeout_s`` seconds."""
         deadline = time.monotonic() + timeout_s
-        client = self.client()
+        # A short read timeout: another process's listener on a taken port never answers.
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=0.5)
         try:
             while True:
-                assert self.proc is not None and self.proc.poll() is None, f"redis-server :{self.port} exited"
+                assert self.proc is not None
+                if self.proc.poll() is not None:
+                    raise ExitedError(f"redis-server :{self.port} exited: {self.log_tail()}")
                 try:
                     if client.ping():
                         return
-                except redis.ConnectionError:
+                except (redis.ConnectionError, redis.TimeoutError):
                     pass
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"redis-server :{self.port} did not answer")
@@ -132,30 +169,31 @@ class SentinelSet:
         return f"redis+sentinel://{hosts}/{SERVICE}/0"
 
     def start(self) -> Self:
-        self.primary = _Node(free_port(), self.root / "primary")
-        self.primary.start("--port", str(self.primary.port), *_DATA_ARGS)
-        self.primary.wait_ping()
-        self.replica = _Node(free_port(), self.root / "replica")
-        self.replica.start("--port", str(self.replica.port), *_DATA_ARGS,
-                           "--replicaof", "127.0.0.1", str(self.primary.port))
-        self.replica.wait_ping()
+        self.primary = _Node.launch(self.root / "primary", free_port,
+                                    lambda port, _: ("--port", str(port), *_DATA_ARGS))
+        primary_port = self.primary.port
+        self.replica = _Node.launch(self.root / "replica", free_port,
+                                    lambda port, _: ("--port", str(port), *_DATA_ARGS,
+                                                     "--replicaof", "127.0.0.1", str(primary_port)))
         self._wait_replica_online()
         for i in range(3):
-            node = _Node(free_port(), self.root / f"sentinel{i}")
-            node.directory.mkdir(parents=True)
-            conf = node.directory / "sentinel.conf"
-            conf.write_text(
-                f"port {node.port}\nbind 127.0.0.1\ndir {node.directory}\n"
-                f"sentinel monitor {SERVICE} 127.0.0.1 {self.primary.port} 2\n"
-                f"sentinel down-after-milliseconds {SERVICE} {DOWN_AFTER_MS}\n"
-                f"sentinel failover-timeout {SERVICE} {FAILOVER_TIMEOUT_MS}\n"
-                f"sentinel parallel-syncs {SERVICE} 1\n")
-            node.start(str(conf), "--sentinel")
-            self.sentinels.append(node)
-        for node in self.sentinels:
-            node.wait_ping()
+            self.sentinels.append(_Node.launch(self.root / f"sentinel{i}", free_port, self._sentinel_argv))
         self._wait_sentinels_agree()
         return self
+
+    def _sentinel_argv(self, port: int, directory: Path) -> tuple[str, ...]:
+        """Writes a Sentinel's config (a Sentinel rewrites it, so one file per node) and
+        returns its arguments."""
+        assert self.primary is not None
+        directory.mkdir(parents=True, exist_ok=True)
+        conf = directory / "sentinel.conf"
+        conf.write_text(
+            f"port {port}\nbind 127.0.0.1\ndir {directory}\n"
+            f"sentinel monitor {SERVICE} 127.0.0.1 {self.primary.port} 2\n"
+            f"sentinel down-after-milliseconds {SERVICE} {DOWN_AFTER_MS}\n"
+            f"sentinel failover-timeout {SERVICE} {FAILOVER_TIMEOUT_MS}\n"
+            f"sentinel parallel-syncs {SERVICE} 1\n")
+        return (str(conf), "--sentinel")
 
     def _wait_replica_online(self, timeout_s: float = 20.0) -> None:
         assert self.primary is not None
@@ -214,13 +252,11 @@ class ClusterSet:
 
     def start(self, num_primaries: int = 3) -> Self:
         for i in range(num_primaries):
-            node = _Node(cluster_port(), self.root / f"node{i}")
-            node.start("--port", str(node.port), *_DATA_ARGS, "--cluster-enabled", "yes",
-                       "--cluster-config-file", str(self.root / f"node{i}" / "nodes.conf"),
-                       "--cluster-node-timeout", "2000")
-            self.nodes.append(node)
-        for node in self.nodes:
-            node.wait_ping()
+            self.nodes.append(_Node.launch(
+                self.root / f"node{i}", cluster_port,
+                lambda port, directory: ("--port", str(port), *_DATA_ARGS, "--cluster-enabled", "yes",
+                                         "--cluster-config-file", str(directory / "nodes.conf"),
+                                         "--cluster-node-timeout", "2000")))
         out = subprocess.run([redis_cli_path(), "--cluster", "create",
                               *(f"127.0.0.1:{n.port}" for n in self.nodes), "--cluster-yes"],
                              capture_output=True, text=True, timeout=60, check=False)
