@@ -212,12 +212,12 @@ def _slots(worker_id: str, num_requests: int, queued: int = 0, cached: int = 0) 
 
 def test_a_worker_with_full_slots_loses_a_request_to_one_with_a_free_slot() -> None:
     """a's slots are full (8 of 8), b has one free and a slightly longer prefill queue:
-    b wins under both policies, even against a's cached prefix; with a free slot on a
-    too, the choice is today's (prefill alone)."""
+    b wins under both policies (a worker that caches the prompt's prefix keeps it one wave
+    longer: ``test_a_worker_caching_the_prefix_keeps_its_requests_one_wave_longer``);
+    with a free slot on a too, the choice is by prefill alone."""
     full, free = _slots("a", 8), _slots("b", 7, queued=300)
     for policy in ("cache_aware", "load"):
         assert choose(policy, 1000, [full, free]).placement.worker_id == "b"  # type: ignore[arg-type]
-    assert choose("cache_aware", 1000, [_slots("a", 8, cached=960), free]).placement == Placement("b", 1000)
     for held in range(8):  # R < S: the term is 0, so the queues are the prefill tokens alone
         both = [_slots("a", held), _slots("b", 7, queued=300)]
         assert [c.num_queued_tokens for c in both] == [0, 300]
@@ -432,6 +432,32 @@ async def test_a_burst_on_full_slots_spreads_by_requests_and_the_counts_go_back_
     assert await client.hget(keys.placed_requests(MODEL), "w3") is None
     assert await client.hget(keys.worker_held(MODEL), "w3") is None
     assert await client.hget(keys.worker_held(MODEL), "w1") is not None  # only the dead one's
+
+
+async def test_a_worker_caching_the_prefix_keeps_its_requests_one_wave_longer(client: aioredis.Redis) -> None:
+    """w1 caches the prompt's prefix; both have 8 slots, 32-token answers and 256-token
+    steps (a wave: 32 x 256 = 8,192 prefill tokens), w2 holds 7 requests. With its slots
+    full (8 to 15 held) w1 keeps the prompt, one wave forgiven; two waves behind (16) the
+    second outweighs the prefill its cache saves (2 x 992) and the prompt goes to w2. A
+    prompt cached nowhere leaves w1 as soon as its slots are full (the slack is the
+    cache's)."""
+    keys = _keys()
+    for w in ("w1", "w2"):
+        await _heartbeat(client, keys, w, max_num_seqs=8, mean_num_output_tokens=32)
+    prompt = list(range(1, 1001))
+    fresh = list(range(5001, 6001))
+    placer = Placer(client, keys, MODEL, "cache_aware", 1000.0)
+    await placer.refresh()
+    for held, cached_to, fresh_to in ((7, "w1", None), (8, "w1", "w2"), (15, "w1", "w2"), (16, "w2", "w2")):
+        await client.delete(keys.kv_index(MODEL, "w1"), keys.kv_index(MODEL, "w2"))  # no earlier predictions
+        await client.sadd(keys.kv_index(MODEL, "w1"), *block_hashes(prompt[:-1], BLOCK))
+        await client.hset(keys.worker_held(MODEL), mapping={"w1": held, "w2": 7})
+        await client.hset(keys.worker_load(MODEL), mapping={"w1": 0, "w2": 0})
+        [(decision, _)] = await placer.place([placer.query(prompt)])
+        assert decision is not None and decision.placement.worker_id == cached_to, (held, decision)
+        if fresh_to is not None:
+            [(decision, _)] = await placer.place([placer.query(fresh)])
+            assert decision is not None and decision.placement.worker_id == fresh_to, (held, decision)
 
 
 async def test_the_load_written_each_step_overrides_a_stale_heartbeat(client: aioredis.Redis) -> None:
