@@ -50,10 +50,11 @@ is two waves behind, not one. In a burst every worker crosses each multiple of i
 slots in turn, and without the slack whichever holder crossed first lost its group's
 next prompt, which computed the prefix again elsewhere. What the slack leaves unbalanced,
 idle workers take from the holder's stream once entries waited ``steal_after_ms``. 8 sim
-workers of 8 slots, 2026-11-29: 64 groups of 8 prompts, hit rate 0.56 -> 0.71-0.74 of one
-worker's 0.82, output 1,060 -> 1,112 tok/s; 16 groups (two per worker, so a worker that
-got three keeps a third wave until stealing starts), 0.51 -> 0.69 at 1,018 -> 925 tok/s
-(docs/benchmarks.md, "Scale-out").
+workers of 8 slots, 2026-11-29: 64 groups of 8 prompts, hit rate 0.54-0.56 -> 0.74-0.75
+(one worker's: 0.82) at 1,060-1,063 -> 1,104-1,112 tok/s; 256 conversations, follow-up
+hit rate 0.855 -> 0.950, rounds 15% faster; 16 groups (two per worker, so a worker that
+got three keeps a third wave until stealing starts), 0.50-0.52 -> 0.67-0.72 at 1,014-1,021
+-> 858-926 tok/s (docs/benchmarks.md, "Scale-out").
 
 One Lua script call per group commit (``_READ``, ``Placer.place``: one round trip)
 finds, for each request and candidate worker, the cached overlap (the prompt's lookup
