@@ -343,6 +343,10 @@ def parse_rate_limits(text: str) -> dict[str, tuple[int, int]]:
     return limits
 
 
+#: ``WorkerSettings.steal_after_ms``'s default, ms (also ``worker.service.Worker``'s).
+DEFAULT_STEAL_AFTER_MS = 500
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerSettings:
     """One worker process."""
@@ -370,7 +374,10 @@ class WorkerSettings:
     max_waiting_prefill_tokens: int = field(default=-1, metadata=_doc(
         "Most prefill tokens the worker holds uncomputed before it pulls more, so a burst spreads over "
         "the workers (-1: 4 x --max-num-batched-tokens; 0: no bound)"))
-    steal_after_ms: int = field(default=2000, metadata=_doc(
+    # Ten 50-ms sim steps: 8 sim workers of 8 slots, a burst of 16 shared-prefix groups of
+    # 8 prompts: 1,018 tok/s at 500 ms against 858-926 at 2,000, every other figure the
+    # same; 250 ms took conversations from their histories (docs/benchmarks.md, "Scale-out").
+    steal_after_ms: int = field(default=DEFAULT_STEAL_AFTER_MS, metadata=_doc(
         "An entry that waited this long in another live worker's own stream may be taken by this worker "
         "when it has room, ms (0: never; a dead worker's entries are taken at once)"))
 

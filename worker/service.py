@@ -48,6 +48,7 @@ from shared.liveness import live_workers
 from shared.protocol import AbortMessage, ErrorMessage, GenerateRequest, TokenBatch, TokenOutput, WorkerStatus
 from shared.redis_connect import AsyncClient
 from shared.redis_connect import pubsub as subscriber
+from shared.settings import DEFAULT_STEAL_AFTER_MS
 from shared.streams import add_finish, as_text, finish_entry
 from worker.backends.base import EngineBackend, RequestOutput, RequestRejected
 from worker.backends.kv_events import NO_KV_EVENTS, KVEvents, merge_kv_events
@@ -107,7 +108,7 @@ class Worker:
     def __init__(self, client: AsyncClient, keys: Keys, model: str, worker_id: str,
                  backend: EngineBackend, drain_timeout_s: float = 60.0,
                  engine_thread: EngineThread | None = None, engine_stall_timeout_s: float = 0.0,
-                 max_waiting_prefill_tokens: int = -1, steal_after_ms: int = 2000,
+                 max_waiting_prefill_tokens: int = -1, steal_after_ms: int = DEFAULT_STEAL_AFTER_MS,
                  kv_resync_s: float = KV_INDEX_RESYNC_S) -> None:
         self.redis = client
         #: Where steps run; pass the thread that built the backend (one OpenMP team).
