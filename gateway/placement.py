@@ -54,7 +54,8 @@ workers of 8 slots, 2026-11-29: 64 groups of 8 prompts, hit rate 0.54-0.56 -> 0.
 (one worker's: 0.82) at 1,060-1,063 -> 1,104-1,112 tok/s; 256 conversations, follow-up
 hit rate 0.855 -> 0.950, rounds 15% faster; 16 groups (two per worker, so a worker that
 got three keeps a third wave until stealing starts), 0.50-0.52 -> 0.67-0.72 at 1,014-1,021
--> 858-926 tok/s (docs/benchmarks.md, "Scale-out").
+-> 858-926 tok/s with stealing after 2 s, 0.62-0.65 at 965-1,018 tok/s after today's
+500 ms (docs/benchmarks.md, "Scale-out").
 
 One Lua script call per group commit (``_READ``, ``Placer.place``: one round trip)
 finds, for each request and candidate worker, the cached overlap (the prompt's lookup

@@ -375,8 +375,9 @@ class WorkerSettings:
         "Most prefill tokens the worker holds uncomputed before it pulls more, so a burst spreads over "
         "the workers (-1: 4 x --max-num-batched-tokens; 0: no bound)"))
     # Ten 50-ms sim steps: 8 sim workers of 8 slots, a burst of 16 shared-prefix groups of
-    # 8 prompts: 1,018 tok/s at 500 ms against 858-926 at 2,000, every other figure the
-    # same; 250 ms took conversations from their histories (docs/benchmarks.md, "Scale-out").
+    # 8 prompts: 1,018 tok/s at hit rate 0.622 at 500 ms, against 858-926 at 0.667-0.719
+    # at 2,000; 64 groups and multi-turn the same; 250 ms took conversations from their
+    # histories (docs/benchmarks.md, "Scale-out").
     steal_after_ms: int = field(default=DEFAULT_STEAL_AFTER_MS, metadata=_doc(
         "An entry that waited this long in another live worker's own stream may be taken by this worker "
         "when it has room, ms (0: never; a dead worker's entries are taken at once)"))
