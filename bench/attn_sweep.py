@@ -6,11 +6,16 @@ best config per point.
 - ``--prefill``: the prefill launch (packed query heads or one head per program,
   ``BLOCK_M`` rows, tile, warps, stages) at ``PREFILL_POINTS``: whole prompts as the engine
   benchmark's prefill steps, a 30,000-token prompt, a long prompt's second chunk and
-  shared-prefix questions; ``--short``: a few configs instead of the grid.
+  shared-prefix questions; ``--short``: a few configs instead of the grid;
+  ``--new-kv``: each config also with the chunk's keys read from the step's ``key``/
+  ``value`` rows (``new``), through TMA descriptors (``new_tma``), and with the
+  compiler's warp specialization (``new_tma_ws``), beside the block-table gather
+  (``cache``).
 
     python -m bench.attn_sweep --out bench/results/attn_sweep_h100.json
     python -m bench.attn_sweep --prefill --out bench/results/attn_sweep_prefill_h100.json
     python -m bench.attn_sweep --prefill --default-only   # the default config alone: a kernel A/B
+    python -m bench.attn_sweep --prefill --short --new-kv   # where the chunk's keys come from
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ def time_config(cfg: dict, call: functools.partial, out: torch.Tensor, ref: torc
     the launch config ``cfg`` in place of ``_attention_config``'s, or ``{"error"}`` when
     it does not compile or fit."""
     base_cfg = pa._attention_config
-    pa._attention_config = lambda *a: cfg
+    pa._attention_config = lambda *a, **kw: cfg
     try:
         us = time_us(call, reps=reps)
         return {"us": us, "rel_err": ((out.float() - ref).norm() / ref.norm()).item()}
@@ -69,11 +74,19 @@ PREFILL_POINTS = ((2, 2048, 0), (8, 512, 0), (1, 30000, 0), (1, 13616, 16384), (
 _REF_PAIRS = 2 ** 26
 
 
-def prefill_sweep(default_only: bool = False, points: tuple = PREFILL_POINTS, full: bool = True) -> list[dict]:
+#: ``--new-kv`` sources of a chunk's keys: (name, key/value passed, NEW_KV_TMA, WARP_SPEC).
+KEY_SOURCES = (("cache", False, False, False), ("new", True, False, False), ("new_tma", True, True, False),
+               ("new_tma_ws", True, True, True))
+
+
+def prefill_sweep(default_only: bool = False, points: tuple = PREFILL_POINTS, full: bool = True,
+                  new_kv: bool = False, out_path: str = "") -> list[dict]:
     """The prefill launch's configs at ``points``, best first per point; ``default_only``:
     just the config ``_attention_config`` picks (a kernel A/B). ``full``: the whole grid
     (GQA-packed or one head per program, ``BLOCK_M``, tile, warps, stages), else a short
-    list around the default."""
+    list around the default. ``new_kv``: each config under every ``KEY_SOURCES`` entry
+    (the step's keys are also written to the cache, so every source gives one result).
+    ``out_path``: the results so far are written there after each point."""
     nh, nkv, d, bs = 28, 4, 128, 16
     dev, dt = "cuda", torch.bfloat16
     results = []
@@ -88,9 +101,20 @@ def prefill_sweep(default_only: bool = False, points: tuple = PREFILL_POINTS, fu
         qsl = torch.arange(0, num_prompts * qlen + 1, qlen, device=dev, dtype=torch.int32)
         lens = torch.full((num_prompts,), length, device=dev, dtype=torch.int32)
         out = torch.empty_like(q)
-        default = pa._attention_config(dt, nh // nkv, num_prompts, nkv, qlen, length, pa._num_sms(q.device))
+        # This step's keys and values, as views of a qkv-like buffer, also in the cache.
+        qkv = torch.randn(num_prompts * qlen, (nh + 2 * nkv) * d, device=dev, dtype=dt)
+        key = qkv[:, nh * d:(nh + nkv) * d].view(-1, nkv, d)
+        value = qkv[:, (nh + nkv) * d:].view(-1, nkv, d)
+        pos = ctx + torch.arange(qlen, device=dev)
+        slots = (tables[:, pos // bs].long() * bs + pos % bs).reshape(-1)
+        kc.view(-1, nkv, d)[slots] = key
+        vc.view(-1, nkv, d)[slots] = value
+        # The engine passes this step's key/value: the default is the config for that.
+        default = pa._attention_config(dt, nh // nkv, num_prompts, nkv, qlen, length, pa._num_sms(q.device),
+                                       new_kv=True)
         call = functools.partial(pa.paged_attention, q, kc, vc, tables, qsl, lens, d ** -0.5, out,
                                  max_query_len=qlen, max_seq_len=length)
+        new_call = functools.partial(call, key=key, value=value)
         if num_prompts * qlen * length <= _REF_PAIRS:
             ref = pa.paged_attention_ref(q.float(), kc.float(), vc.float(), tables, qsl, lens, d ** -0.5)
         else:
@@ -104,17 +128,23 @@ def prefill_sweep(default_only: bool = False, points: tuple = PREFILL_POINTS, fu
                 itertools.product((False,), (64, 128), (64, 128), (4, 8), (2, 3, 4)))
         else:
             grid = [(True, 128, 64, 8, 2), (True, 128, 64, 8, 3)] + [(False, 128, t, 8, st) for t in (64, 128)
-                                                                     for st in (2, 3)]
+                                                                     for st in ((2, 3, 4) if new_kv else (2, 3))]
         rows = []
-        for pack, block_m, tile, warps, stages in grid:
+        flags = (default["NEW_KV"], default["NEW_KV"] and default["NEW_KV_TMA"],
+                 default["NEW_KV"] and default["NEW_KV_TMA"] and default["WARP_SPEC"])
+        default_source = next(src for src in KEY_SOURCES if tuple(src[1:]) == flags)
+        sources = KEY_SOURCES if new_kv else (default_source,)
+        for (pack, block_m, tile, warps, stages), (source, pass_kv, tma, ws) in itertools.product(grid, sources):
             cfg = dict(default, BLOCK_M=block_m, BLOCK_Q=block_m // (nh // nkv) if pack else block_m, TILE=tile,
-                       num_warps=warps, num_stages=stages, PACK_HEADS=pack, NUM_SPLITS=1)
-            r = time_config(cfg, call, out, ref, reps=5 if qlen * length < 2 ** 27 else 2)
+                       num_warps=warps, num_stages=stages, PACK_HEADS=pack, NUM_SPLITS=1, NEW_KV=pass_kv,
+                       NEW_KV_TMA=tma, WARP_SPEC=ws)
+            r = time_config(cfg, new_call, out, ref, reps=5 if qlen * length < 2 ** 27 else 2)
             if "us" in r:
                 r["us"] = round(r["us"], 1)
-            rows.append({"pack": pack, "block_m": block_m, "tile": tile, "warps": warps, "stages": stages} | r)
+            rows.append({"pack": pack, "block_m": block_m, "tile": tile, "warps": warps, "stages": stages,
+                         "source": source} | r)
         ok = sorted((r for r in rows if "us" in r and r["rel_err"] < 1e-2), key=lambda r: r["us"])
-        cur = next((r for r in ok if r["pack"] == default["PACK_HEADS"]
+        cur = next((r for r in ok if r["source"] == default_source[0] and r["pack"] == default["PACK_HEADS"]
                     and r["block_m"] == default["BLOCK_M"] and r["tile"] == default["TILE"]
                     and r["warps"] == default["num_warps"] and r["stages"] == default["num_stages"]), None)
         # Causal pairs: each query sees the context and the chunk's keys up to itself.
@@ -123,9 +153,14 @@ def prefill_sweep(default_only: bool = False, points: tuple = PREFILL_POINTS, fu
         point = {"num_prompts": num_prompts, "query_len": qlen, "context_len": ctx, "default": cur,
                  "best": ok[0] if ok else None, "default_tflops": round(flops / cur["us"] / 1e6, 1) if cur else None,
                  "best_tflops": round(flops / ok[0]["us"] / 1e6, 1) if ok else None, "top5": ok[:5],
+                 "best_by_source": {name: min((r for r in ok if r["source"] == name), key=lambda r: r["us"],
+                                              default=None) for name, *_ in sources},
                  "errors": [r for r in rows if r not in ok][:4]}
         print(json.dumps({k: v for k, v in point.items() if k != "top5"}), flush=True)
         results.append(point)
+        if out_path:
+            with open(out_path, "w") as f:
+                json.dump(results, f, indent=1)
     return results
 
 
@@ -135,13 +170,16 @@ def main() -> None:
     ap.add_argument("--prefill", action="store_true", help="sweep the prefill launch instead (module docstring)")
     ap.add_argument("--default-only", action="store_true", help="with --prefill: time only the default config")
     ap.add_argument("--short", action="store_true", help="with --prefill: a short list of configs, not the grid")
+    ap.add_argument("--new-kv", action="store_true",
+                    help="with --prefill: every config with each source of the chunk's keys (KEY_SOURCES)")
+    ap.add_argument("--points", default="",
+                    help="with --prefill: PROMPTSxQUERYxCONTEXT,... instead of PREFILL_POINTS (e.g. 1x30000x0)")
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.prefill:
-        results = prefill_sweep(args.default_only, full=not args.short)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(results, f, indent=1)
+        points = tuple(tuple(int(x) for x in p.split("x")) for p in args.points.split(",")) if args.points \
+            else PREFILL_POINTS
+        prefill_sweep(args.default_only, points, full=not args.short, new_kv=args.new_kv, out_path=args.out)
         return
     nh, nkv, d, bs = 28, 4, 128, 16
     dev, dt = "cuda", torch.bfloat16

@@ -10,7 +10,10 @@ tokens the cache served (``cached_tokens``).
 Prints and writes (``--out``): the call's wall time, the GPU's span and busy time, the
 gaps over ``--min-gap-us`` summed by the pair of operations around them (a gap after the
 sampled ids' copy to the host and before the next step's input copy is the host's time
-between two steps), and the busiest kernels.
+between two steps), the busiest kernels, and the wall time of the same batch shape run
+again without the profiler (``wall_ms_unprofiled``: with ``--max-tokens 1``, the TTFT).
+``--prefill-config`` overrides the prefill attention launch's config (A/B of a kernel
+choice in the whole engine).
 
     python bench/gpu_gaps.py --quantization fp8 --out bench/results/gpu_gaps_fp8_h100.json
 
@@ -35,6 +38,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import kernels.paged_attention as pa
 from shared.model_source import DUMMY_CONFIGS
 from shared.sampling import SamplingParams
 from worker.llm import LLM
@@ -66,10 +70,18 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     ap.add_argument("--min-gap-us", type=float, default=5.0)
+    ap.add_argument("--prefill-config", default="",
+                    help="JSON over the prefill attention launch's config (kernels/paged_attention.py "
+                         "_attention_config), e.g. '{\"NEW_KV_TMA\": true}'; set before the engine starts")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if args.groups < 0 or args.num_prompts < max(args.groups, 1):
         ap.error("--groups must be 0 or at most --num-prompts")
+    if args.prefill_config:
+        force = json.loads(args.prefill_config)
+        base = pa._attention_config
+        # Positional argument 4 is max_query_len: > 1 is the prefill launch.
+        pa._attention_config = lambda *a, **kw: dict(base(*a, **kw), **force) if a[4] > 1 else base(*a, **kw)
     shared = args.groups > 0
     llm = LLM(model=args.model, load_format="dummy", max_num_seqs=args.max_num_seqs,
               max_model_len=max(4096, (args.prefix_len if shared else 0) + args.prompt_len + args.max_tokens),
@@ -97,6 +109,12 @@ def main() -> None:
         outs = llm.generate(batch, params)
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - t0) * 1e3
+    # The same batch shape again without the profiler (new prompts: nothing cached).
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    llm.generate(prompts(args.num_prompts), params)
+    torch.cuda.synchronize()
+    unprofiled_ms = (time.perf_counter() - t0) * 1e3
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace))
@@ -114,7 +132,9 @@ def main() -> None:
            "prefix_len": args.prefix_len if shared else 0, "max_tokens": args.max_tokens,
            "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
            "prompt_tokens": sum(len(p) for p in batch), "cached_tokens": sum(o.num_cached_tokens for o in outs),
-           "wall_ms": round(wall_ms, 2), "gpu_span_ms": round(span_ms, 2),
+           "prefill_config": args.prefill_config,
+           "wall_ms": round(wall_ms, 2), "wall_ms_unprofiled": round(unprofiled_ms, 2),
+           "gpu_span_ms": round(span_ms, 2),
            "gpu_busy_ms": round(busy_ms, 2), "gaps_ms": round(sum(gaps.values()) / 1e3, 2),
            "gaps_by_neighbours_ms": [[a, b, round(g / 1e3, 3)] for (a, b), g in gaps.most_common(10)],
            "busiest_ms": [[n, round(d / 1e3, 2)] for n, d in kernels.most_common(15)]}

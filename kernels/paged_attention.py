@@ -25,6 +25,7 @@ FlashAttention-2's ``flash_attn_varlen_func`` with a block table (Dao, 2023).
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -260,12 +261,19 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs: the wrapper falls back to the reference.
     triton = None
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # no Triton, or one without host-side tensor descriptors
+    TensorDescriptor = None
 
 _LOG2E = 1.4426950408889634
 _MIN_KEYS_PER_SPLIT = 128  # below this a split's fixed cost outweighs the parallelism.
 _MAX_SPLITS = 64
 #: Prefill launches of at most this many sequences take one query head per program.
 _MAX_SEQS_ONE_HEAD = 16
+#: ... when their chunks read their own keys from key/value (``NEW_KV``), only from this
+#: query length on; shorter chunks do better with packed heads.
+_MIN_QUERY_ONE_HEAD_NEW_KV = 8192
 
 if triton is not None:
     _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -290,6 +298,67 @@ if triton is not None:
         return lo - 1
 
     @triton.jit
+    def _softmax_update(q, k, v, acc, m_i, l_i, seen, qk_scale, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
+        """One key tile of the online softmax (FlashAttention-2's update): scores of ``q
+        [rows, d]`` against ``k [TILE, d]``, with ``MASKED`` only where ``seen [rows,
+        TILE]``; returns the new ``(acc, m_i, l_i)``, ``m_i`` in log2 units."""
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if MASKED:
+            s = tl.where(seen, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked row
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = m_new
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        return acc, m_new, l_i
+
+    @triton.jit
+    def _new_kv_tile(q, acc, m_i, l_i, t, offs_n, offs_d, d_valid, q_abs, context_len, num_keys, row0, key_ptr,
+                     value_ptr, k_desc, v_desc, kv_head, bt_row, k_cache_ptr, v_cache_ptr, kh_off_k, kh_off_v,
+                     qk_scale, stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_bt_b, stride_kb, stride_ks,
+                     stride_vb, stride_vs, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr,
+                     STRADDLE: tl.constexpr):
+        """Key tile ``t`` (absolute keys ``t * TILE ..``, the tiles of the cache path, so
+        that the sums run in the same order) read from this step's ``key``/``value`` rows
+        (``NEW_KV``): key ``p >= context_len`` is row ``row0 + p - context_len`` of ``[T,
+        num_kv_heads, head_dim]`` (``USE_TMA``: through tensor descriptors of the ``[T,
+        num_kv_heads * head_dim]`` views, Hopper's TMA). ``STRADDLE``: the tile also holds
+        context keys, read from the cache through the block table. ``MASKED``: the causal
+        mask and the key range."""
+        key = t * TILE + offs_n
+        if USE_TMA and not STRADDLE:
+            k = k_desc.load([row0 + t * TILE - context_len, kv_head * HEAD_DIM]).to(q.dtype)
+            v = v_desc.load([row0 + t * TILE - context_len, kv_head * HEAD_DIM]).to(q.dtype)
+        else:
+            rows = (row0 + key - context_len).to(tl.int64)
+            if MASKED or STRADDLE:
+                new_mask = ((key >= context_len) & (key < num_keys))[:, None] & d_valid[None, :]
+            else:
+                new_mask = d_valid[None, :]
+            k = tl.load(key_ptr + rows[:, None] * stride_nkt + kv_head * stride_nkh + offs_d[None, :],
+                        mask=new_mask, other=0.0).to(q.dtype)
+            v = tl.load(value_ptr + rows[:, None] * stride_nvt + kv_head * stride_nvh + offs_d[None, :],
+                        mask=new_mask, other=0.0).to(q.dtype)
+            if STRADDLE:
+                cached = key < context_len
+                phys = tl.load(bt_row + (key // BLOCK_SIZE) * stride_bt_b, mask=cached, other=0).to(tl.int64)
+                in_block = (key % BLOCK_SIZE).to(tl.int64)
+                old_mask = cached[:, None] & d_valid[None, :]
+                k_old = tl.load(k_cache_ptr + (phys * stride_kb + in_block * stride_ks + kh_off_k)[:, None]
+                                + offs_d[None, :], mask=old_mask, other=0.0).to(q.dtype)
+                v_old = tl.load(v_cache_ptr + (phys * stride_vb + in_block * stride_vs + kh_off_v)[:, None]
+                                + offs_d[None, :], mask=old_mask, other=0.0).to(q.dtype)
+                k = tl.where(cached[:, None], k_old, k)
+                v = tl.where(cached[:, None], v_old, v)
+        seen = (key[None, :] <= q_abs[:, None]) & (key < num_keys)[None, :]
+        return _softmax_update(q, k, v, acc, m_i, l_i, seen, qk_scale, DOT_PRECISION, MASKED)
+
+    @triton.jit
     def _attn_tile(q, acc, m_i, l_i, t, offs_n, offs_d, d_valid, q_abs, num_keys, first_key, bt_row, k_cache_ptr,
                    v_cache_ptr, kh_off_k, kh_off_v, qk_scale, stride_bt_b, stride_kb, stride_ks, stride_vb, stride_vs,
                    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -308,24 +377,12 @@ if triton is not None:
         kv_mask = key_valid[:, None] & d_valid[None, :]
         k = tl.load(k_cache_ptr + (phys * stride_kb + in_block * stride_ks + kh_off_k)[:, None] + offs_d[None, :],
                     mask=kv_mask, other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        if MASKED:
-            seen = (key[None, :] <= q_abs[:, None]) & key_valid[None, :]
-            if SLIDING_WINDOW > 0:
-                seen = seen & (key[None, :] > q_abs[:, None] - SLIDING_WINDOW)
-            s = tl.where(seen, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked row
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = m_new
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + (phys * stride_vb + in_block * stride_vs + kh_off_v)[:, None] + offs_d[None, :],
                     mask=kv_mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        return acc, m_new, l_i
+        seen = (key[None, :] <= q_abs[:, None]) & key_valid[None, :]
+        if SLIDING_WINDOW > 0:
+            seen = seen & (key[None, :] > q_abs[:, None] - SLIDING_WINDOW)
+        return _softmax_update(q, k, v, acc, m_i, l_i, seen, qk_scale, DOT_PRECISION, MASKED)
 
     @triton.jit
     def _store_out(o, tok, head, offs_d, row_valid, d_valid, out_ptr, out_scale_ptr, stride_ot, stride_oh,
@@ -356,11 +413,13 @@ if triton is not None:
         stride_qt, stride_qh, stride_ot, stride_oh, stride_st, stride_sh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         stride_bt_s, stride_bt_b,
+        key_ptr, value_ptr, k_desc, v_desc, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
         QPK: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
         TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
         SEQ_FILTER: tl.constexpr, SLIDING_WINDOW: tl.constexpr, QUANT_OUT: tl.constexpr,
-        PACK_HEADS: tl.constexpr = True,
+        PACK_HEADS: tl.constexpr = True, NEW_KV: tl.constexpr = False, NEW_KV_TMA: tl.constexpr = False,
+        WARP_SPEC: tl.constexpr = False,
     ):
         # PACK_HEADS: program = (q-block of BLOCK_Q tokens x all QPK query heads of one KV
         # head, split). Row m of the tile is token m // QPK, query head kv_head * QPK + m %
@@ -377,6 +436,10 @@ if triton is not None:
         # qk_scale by the wrapper and v_scale multiplies the accumulator once at the end.
         # QUANT_OUT: each output row (one token's head) is written as one E4M3 group with
         # its float32 scale (``_store_out``), for a block-scaled FP8 o_proj.
+        # NEW_KV (full causal, no splits, a cache of q's dtype): a chunk's own keys come from
+        # this step's ``key``/``value`` rows, contiguous (NEW_KV_TMA: tensor descriptors;
+        # WARP_SPEC: the compiler's warp specialization of the loop over them), and only
+        # the context before the chunk from the cache through the block table.
         if PACK_HEADS:
             kv_head = tl.program_id(1)
         else:
@@ -438,22 +501,63 @@ if triton is not None:
         bt_row = block_tables_ptr + seq_idx.to(tl.int64) * stride_bt_s
         kh_off_k = kv_head.to(tl.int64) * stride_kh
         kh_off_v = kv_head.to(tl.int64) * stride_vh
-        # Tiles whose every key every row of the q-block sees (full causal, keys before the
-        # block's first query) need no mask: only the last tile or two of a row's keys do.
-        if SLIDING_WINDOW == 0:
+        if NEW_KV:
+            # The cache path's tiles in its order: tiles wholly before context_len from the
+            # cache, a tile across it from both, the rest from key/value; masked from the
+            # first tile that a row of the q-block does not wholly see.
             full_hi = tl.maximum(tl.minimum((context_len + q_block_local * BLOCK_Q + 1) // TILE, tile_hi), tile_lo)
+            ctx_full = context_len // TILE
+            for t in range(tile_lo, tl.minimum(ctx_full, full_hi)):
+                acc, m_i, l_i = _attn_tile(
+                    q, acc, m_i, l_i, t, offs_n, offs_d, d_valid, q_abs, num_keys, first_key, bt_row, k_cache_ptr,
+                    v_cache_ptr, kh_off_k, kh_off_v, qk_scale, stride_bt_b, stride_kb, stride_ks, stride_vb,
+                    stride_vs, BLOCK_SIZE, TILE, DOT_PRECISION, 0, False)
+            for t in range(tl.minimum(ctx_full, full_hi), ctx_full):
+                acc, m_i, l_i = _attn_tile(
+                    q, acc, m_i, l_i, t, offs_n, offs_d, d_valid, q_abs, num_keys, first_key, bt_row, k_cache_ptr,
+                    v_cache_ptr, kh_off_k, kh_off_v, qk_scale, stride_bt_b, stride_kb, stride_ks, stride_vb,
+                    stride_vs, BLOCK_SIZE, TILE, DOT_PRECISION, 0, True)
+            first_new = ctx_full
+            if ctx_full * TILE < context_len:  # the tile across context_len (always masked)
+                acc, m_i, l_i = _new_kv_tile(
+                    q, acc, m_i, l_i, ctx_full, offs_n, offs_d, d_valid, q_abs, context_len, num_keys, q_start,
+                    key_ptr, value_ptr, k_desc, v_desc, kv_head, bt_row, k_cache_ptr, v_cache_ptr, kh_off_k,
+                    kh_off_v, qk_scale, stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_bt_b, stride_kb,
+                    stride_ks, stride_vb, stride_vs, BLOCK_SIZE, HEAD_DIM, TILE, DOT_PRECISION, True, NEW_KV_TMA,
+                    True)
+                first_new = ctx_full + 1
+            for t in tl.range(first_new, tl.maximum(full_hi, first_new), warp_specialize=WARP_SPEC):
+                acc, m_i, l_i = _new_kv_tile(
+                    q, acc, m_i, l_i, t, offs_n, offs_d, d_valid, q_abs, context_len, num_keys, q_start,
+                    key_ptr, value_ptr, k_desc, v_desc, kv_head, bt_row, k_cache_ptr, v_cache_ptr, kh_off_k,
+                    kh_off_v, qk_scale, stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_bt_b, stride_kb,
+                    stride_ks, stride_vb, stride_vs, BLOCK_SIZE, HEAD_DIM, TILE, DOT_PRECISION, False, NEW_KV_TMA,
+                    False)
+            for t in range(tl.maximum(full_hi, first_new), tile_hi):
+                acc, m_i, l_i = _new_kv_tile(
+                    q, acc, m_i, l_i, t, offs_n, offs_d, d_valid, q_abs, context_len, num_keys, q_start,
+                    key_ptr, value_ptr, k_desc, v_desc, kv_head, bt_row, k_cache_ptr, v_cache_ptr, kh_off_k,
+                    kh_off_v, qk_scale, stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_bt_b, stride_kb,
+                    stride_ks, stride_vb, stride_vs, BLOCK_SIZE, HEAD_DIM, TILE, DOT_PRECISION, True, NEW_KV_TMA,
+                    False)
         else:
-            full_hi = tile_lo
-        for t in range(tile_lo, full_hi):
-            acc, m_i, l_i = _attn_tile(
-                q, acc, m_i, l_i, t, offs_n, offs_d, d_valid, q_abs, num_keys, first_key, bt_row, k_cache_ptr,
-                v_cache_ptr, kh_off_k, kh_off_v, qk_scale, stride_bt_b, stride_kb, stride_ks, stride_vb, stride_vs,
-                BLOCK_SIZE, TILE, DOT_PRECISION, SLIDING_WINDOW, False)
-        for t in range(full_hi, tile_hi):
-            acc, m_i, l_i = _attn_tile(
-                q, acc, m_i, l_i, t, offs_n, offs_d, d_valid, q_abs, num_keys, first_key, bt_row, k_cache_ptr,
-                v_cache_ptr, kh_off_k, kh_off_v, qk_scale, stride_bt_b, stride_kb, stride_ks, stride_vb, stride_vs,
-                BLOCK_SIZE, TILE, DOT_PRECISION, SLIDING_WINDOW, True)
+            # Tiles whose every key every row of the q-block sees (full causal, keys before the
+            # block's first query) need no mask: only the last tile or two of a row's keys do.
+            if SLIDING_WINDOW == 0:
+                full_hi = tl.maximum(tl.minimum((context_len + q_block_local * BLOCK_Q + 1) // TILE, tile_hi),
+                                     tile_lo)
+            else:
+                full_hi = tile_lo
+            for t in range(tile_lo, full_hi):
+                acc, m_i, l_i = _attn_tile(
+                    q, acc, m_i, l_i, t, offs_n, offs_d, d_valid, q_abs, num_keys, first_key, bt_row, k_cache_ptr,
+                    v_cache_ptr, kh_off_k, kh_off_v, qk_scale, stride_bt_b, stride_kb, stride_ks, stride_vb,
+                    stride_vs, BLOCK_SIZE, TILE, DOT_PRECISION, SLIDING_WINDOW, False)
+            for t in range(full_hi, tile_hi):
+                acc, m_i, l_i = _attn_tile(
+                    q, acc, m_i, l_i, t, offs_n, offs_d, d_valid, q_abs, num_keys, first_key, bt_row, k_cache_ptr,
+                    v_cache_ptr, kh_off_k, kh_off_v, qk_scale, stride_bt_b, stride_kb, stride_ks, stride_vb,
+                    stride_vs, BLOCK_SIZE, TILE, DOT_PRECISION, SLIDING_WINDOW, True)
 
         acc = acc * v_scale  # 1.0 unless the cache is fp8
         if NUM_SPLITS == 1:
@@ -502,11 +606,13 @@ def _next_pow2(n: int) -> int:
 
 
 def _attention_config(dtype: torch.dtype, qpk: int, num_seqs: int, num_kv_heads: int,
-                      max_query_len: int, max_seq_len: int, num_sms: int) -> dict[str, int]:
+                      max_query_len: int, max_seq_len: int, num_sms: int, new_kv: bool = False) -> dict[str, int]:
     """Tile sizes and split count from shapes and the caller's Python ints only.
 
     Correctness never depends on ``max_query_len``/``max_seq_len``: they pick tiles and
-    splits, and the kernel masks by the real lengths it reads on the device.
+    splits, and the kernel masks by the real lengths it reads on the device. ``new_kv``:
+    the prefill launch can read each chunk's keys from the step's ``key``/``value``
+    (``NEW_KV``), which moves the best tiles (H200 sweep, bench/results/s18/attn_prefill_sweep_new_kv.json).
     """
     tile = 32 if dtype == torch.float32 else 64
     num_stages = 2
@@ -531,7 +637,16 @@ def _attention_config(dtype: torch.dtype, qpk: int, num_seqs: int, num_kv_heads:
         splits = max(splits, 1)
     else:
         big = dtype != torch.float32 and max_query_len * qpk >= 512
-        if big and max_query_len >= 512 and num_seqs <= _MAX_SEQS_ONE_HEAD:
+        # TMA pays on long chunks (2 x 2,048 tokens: 178 -> 158 us), not on short ones
+        # (64 x 100-token questions: 786 -> 800 us).
+        tma = new_kv and big and max_query_len >= 1024
+        if new_kv and big and max_query_len >= _MIN_QUERY_ONE_HEAD_NEW_KV and num_seqs <= _MAX_SEQS_ONE_HEAD:
+            # One head per program, 128 x 128 tiles, three stages, keys through TMA: a
+            # 30,000-token prompt 17.8 ms a layer (block-table gather) -> 11.7 ms (~550
+            # TFLOP/s); a 13,616-token chunk over 16,384 cached 12.2 -> 10.0 ms.
+            return {"BLOCK_M": 128, "BLOCK_Q": 128, "TILE": 128, "NUM_SPLITS": 1, "num_warps": 8,
+                    "num_stages": 3, "PACK_HEADS": False, "NEW_KV": True, "NEW_KV_TMA": True, "WARP_SPEC": False}
+        if not new_kv and big and max_query_len >= 512 and num_seqs <= _MAX_SEQS_ONE_HEAD:
             # Long prompts of a few sequences: one query head per program, no padded
             # rows (H200 sweep, bench/results/s17/attn_prefill_sweep.json: a 30,000-token
             # prompt 22.7 -> 17.6 ms a layer, 2 x 2,048 tokens 275 -> 247 us). Not for
@@ -539,18 +654,53 @@ def _attention_config(dtype: torch.dtype, qpk: int, num_seqs: int, num_kv_heads:
             # head and sequence slot, most of them returning at once.
             block_m, tile, num_warps, num_stages = (128, 128, 8, 2) if max_query_len >= 1024 else (64, 64, 4, 2)
             return {"BLOCK_M": block_m, "BLOCK_Q": block_m, "TILE": tile, "NUM_SPLITS": 1,
-                    "num_warps": num_warps, "num_stages": num_stages, "PACK_HEADS": False}
+                    "num_warps": num_warps, "num_stages": num_stages, "PACK_HEADS": False,
+                    "NEW_KV": False, "NEW_KV_TMA": False, "WARP_SPEC": False}
         block_m, num_warps = (128, 8) if big else (64, 4)
         if big:  # a third stage: 64 x 100-token questions over 2,000 cached 920 -> 823 us
             num_stages = 3
         block_m = max(block_m, _next_pow2(qpk))
         block_q = block_m // qpk
         splits = 1
+        # Packed heads with the chunk's keys from key/value beat one head per program
+        # below ~8k-token chunks (2 x 2,048 tokens: 158 us packed with TMA, 169 one head).
+        return {"BLOCK_M": block_m, "BLOCK_Q": block_q, "TILE": tile, "NUM_SPLITS": splits,
+                "num_warps": num_warps, "num_stages": num_stages, "PACK_HEADS": True,
+                "NEW_KV": new_kv, "NEW_KV_TMA": tma, "WARP_SPEC": False}
     return {"BLOCK_M": block_m, "BLOCK_Q": block_q, "TILE": tile, "NUM_SPLITS": splits,
-            "num_warps": num_warps, "num_stages": num_stages, "PACK_HEADS": True}
+            "num_warps": num_warps, "num_stages": num_stages, "PACK_HEADS": True,
+            "NEW_KV": False, "NEW_KV_TMA": False, "WARP_SPEC": False}
+
+
+def _kv_descriptors(key: torch.Tensor, value: torch.Tensor, tile: int, head_dim: int) -> tuple[Any, Any] | None:
+    """TMA tensor descriptors of ``key``/``value`` as ``[T, num_kv_heads * head_dim]``
+    matrices, blocks of ``tile`` rows x one head, or ``None`` where TMA cannot read them:
+    no ``TensorDescriptor`` in this Triton, a head size that is not a power of two of at
+    least 16, heads not packed in a row, or a base or row stride not 16-byte aligned."""
+    if TensorDescriptor is None or head_dim < 16 or head_dim & (head_dim - 1):
+        return None
+    descs = []
+    for t in (key, value):
+        num_tokens, num_kv_heads, _ = t.shape
+        if t.stride(1) != head_dim or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return None
+        descs.append(TensorDescriptor(t, [num_tokens, num_kv_heads * head_dim], [t.stride(0), 1], [tile, head_dim]))
+    return descs[0], descs[1]
 
 
 _SM_COUNT: dict[int, int] = {}
+_TMA: dict[int, bool] = {}
+
+
+def _has_tma(device: torch.device) -> bool:
+    """Whether tensor descriptors lower to TMA here: a Hopper or later GPU, or the
+    interpreter on CPU (which runs them as plain loads, so tests can take that path)."""
+    if device.type != "cuda":
+        return True
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _TMA:
+        _TMA[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
+    return _TMA[idx]
 
 
 def _num_sms(device: torch.device) -> int:
@@ -567,7 +717,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                     *, max_query_len: int, max_seq_len: int,
                     sliding_window: int | None = None,
-                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                    k_scale: float = 1.0, v_scale: float = 1.0,
+                    key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> torch.Tensor:
     """Causal varlen attention over the paged cache: Triton on CUDA, the reference elsewhere.
 
     Same semantics, shapes and dtypes as ``paged_attention_ref``; prefill chunks (with or
@@ -583,23 +734,31 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             compile-time constant of the kernel (one compile per distinct window).
         k_scale, v_scale: an fp8 cache's per-tensor scales (ignored for other dtypes);
             runtime arguments, so a captured graph keeps the values it was captured with.
+        key, value: optional, ``[num_tokens, num_kv_heads, head_dim]`` in q's dtype, this
+            step's keys and values, row for row with ``q`` (what was just written to the
+            cache). Given, with a cache of q's dtype and no sliding window, the prefill
+            launch reads each chunk's own keys from these rows, contiguous (through TMA
+            tensor descriptors on Hopper where the layout allows), and only the earlier
+            context through the block table; the result is the same.
 
     Padding sequences (``query_len 0``, ``seq_len 0``) and rows of ``q`` past
     ``query_start_loc[-1]`` are left unwritten. ``block_tables`` entries past a sequence's
     last block are never read.
 
     Raises:
-        ValueError: shapes, dtypes or strides do not match, or a bad ``sliding_window``.
+        ValueError: shapes, dtypes or strides do not match (``key``/``value`` included), or
+            a bad ``sliding_window``.
     """
     check_attention_args(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
     check_sliding_window(sliding_window)
+    new_kv = _new_kv(q, k_cache, key, value)
     if out is None:
         out = torch.empty_like(q)
     if triton is None or not q.is_cuda:
         return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out,
                                    sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale)
     return _paged_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out,
-                                   max_query_len, max_seq_len, sliding_window or 0, k_scale, v_scale)
+                                   max_query_len, max_seq_len, sliding_window or 0, k_scale, v_scale, new_kv=new_kv)
 
 
 def quantized_output_fits(q: torch.Tensor) -> bool:
@@ -614,7 +773,9 @@ def paged_attention_fp8_out(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                             seq_lens: torch.Tensor, scale: float, *, max_query_len: int, max_seq_len: int,
                             pad_rows_to: int = 1, sliding_window: int | None = None,
-                            k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                            k_scale: float = 1.0, v_scale: float = 1.0,
+                            key: torch.Tensor | None = None,
+                            value: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``paged_attention`` whose output comes quantized for a block-scaled FP8 product
     (``o_proj``): each token's head row, ``head_dim`` values, is one E4M3 group with its
     own float32 scale, written by the attention launches themselves (no bfloat16 output,
@@ -623,7 +784,8 @@ def paged_attention_fp8_out(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     ``pad_rows_to`` and column-major scales; where ``quantized_output_fits`` is false, that
     is how it is computed (the reference, then ``quantize_groups_ref``).
 
-    Arguments as ``paged_attention`` (keyword-only past ``scale``); ``pad_rows_to``: the
+    Arguments as ``paged_attention`` (keyword-only past ``scale``, ``key``/``value``
+    included); ``pad_rows_to``: the
     row multiple of the outputs (``torch._scaled_mm`` takes multiples of 16).
 
     Returns:
@@ -638,15 +800,38 @@ def paged_attention_fp8_out(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if not quantized_output_fits(q):
         o = paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
                             max_query_len=max_query_len, max_seq_len=max_seq_len, sliding_window=sliding_window,
-                            k_scale=k_scale, v_scale=v_scale)
+                            k_scale=k_scale, v_scale=v_scale, key=key, value=value)
         return quantize_groups_ref(o.reshape(num_tokens, num_heads * head_dim), head_dim, pad_rows_to, True)
     check_attention_args(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
     check_sliding_window(sliding_window)
     out, out_scale = group_outputs(num_tokens, num_heads * head_dim, head_dim, pad_rows_to, True, q.device)
     _paged_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
                             out[:num_tokens].view(num_tokens, num_heads, head_dim), max_query_len, max_seq_len,
-                            sliding_window or 0, k_scale, v_scale, out_scale=out_scale[:num_tokens])
+                            sliding_window or 0, k_scale, v_scale, out_scale=out_scale[:num_tokens],
+                            new_kv=_new_kv(q, k_cache, key, value))
     return out, out_scale
+
+
+def _new_kv(q: torch.Tensor, k_cache: torch.Tensor, key: torch.Tensor | None,
+            value: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(key, value)`` when the prefill launch may read a chunk's keys from them (the
+    cache of q's dtype: an fp8 cache's keys must be read back quantized, as the reference
+    reads them), else ``None``.
+
+    Raises:
+        ValueError: only one of them given, or not ``[num_tokens, num_kv_heads,
+            head_dim]`` of q's dtype, contiguous in ``head_dim``.
+    """
+    if key is None and value is None:
+        return None
+    if key is None or value is None:
+        raise ValueError("key and value come together: one of them is None")
+    want = (q.shape[0], k_cache.shape[2], q.shape[2])
+    for t in (key, value):
+        if tuple(t.shape) != want or t.dtype != q.dtype or t.stride(-1) != 1:
+            raise ValueError(f"key and value must be {want} {q.dtype}, contiguous in head_dim; "
+                             f"got {tuple(t.shape)} {t.dtype} strides {t.stride()}")
+    return (key, value) if k_cache.dtype == q.dtype else None
 
 
 def _paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -654,10 +839,12 @@ def _paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             seq_lens: torch.Tensor, scale: float, out: torch.Tensor,
                             max_query_len: int, max_seq_len: int, sliding_window: int = 0,
                             k_scale: float = 1.0, v_scale: float = 1.0,
-                            out_scale: torch.Tensor | None = None) -> torch.Tensor:
+                            out_scale: torch.Tensor | None = None,
+                            new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The Triton launches of ``paged_attention``; with ``out_scale`` (``[T, num_heads]``
     float32) ``out`` is E4M3 and each of its head rows is quantized (``_store_out``). The
-    K/V scales apply to an fp8 cache only."""
+    K/V scales apply to an fp8 cache only. ``new_kv``: ``_new_kv``'s pair, read by the
+    prefill launch (not under a sliding window)."""
     if k_cache.dtype != FP8_KV_DTYPE:
         k_scale = v_scale = 1.0
     out_dtype = q.dtype if out_scale is None else FP8_DTYPE
@@ -676,7 +863,9 @@ def _paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     qpk = num_heads // num_kv_heads
     if sliding_window:  # a decode token reads at most its window: split that many keys
         max_seq_len = min(max_seq_len, sliding_window)
-    cfg = _attention_config(q.dtype, qpk, num_seqs, num_kv_heads, max_query_len, max_seq_len, _num_sms(q.device))
+    new_ok = new_kv is not None and not sliding_window and max_query_len > 1
+    cfg = _attention_config(q.dtype, qpk, num_seqs, num_kv_heads, max_query_len, max_seq_len, _num_sms(q.device),
+                            new_kv=new_ok)
     splits = cfg["NUM_SPLITS"]
     head_dim_p = max(16, _next_pow2(head_dim))
     if splits > 1:  # shape-only allocations: fine under CUDA-graph capture (graph pool)
@@ -693,6 +882,10 @@ def _paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     quant = out_scale is not None
     scales = out_scale if quant else out  # unused without QUANT_OUT
     scale_strides = (out_scale.stride(0), out_scale.stride(1)) if quant else (0, 0)
+    use_new = new_ok and cfg["NEW_KV"] and splits == 1
+    key, value = new_kv if use_new else (q, q)  # unused when not use_new
+    tma = use_new and cfg["NEW_KV_TMA"] and _has_tma(q.device)
+    descs = _kv_descriptors(key, value, cfg["TILE"], head_dim) if tma else None
     args = (q, k_cache, v_cache, out, scales, part_out, part_m, part_l,
             block_tables, query_start_loc, seq_lens,
             scale * k_scale * _LOG2E, float(v_scale), num_seqs, num_heads,
@@ -700,19 +893,23 @@ def _paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_tables.stride(0), block_tables.stride(1))
+    new_args = (key, value, *(descs or (key, value)), key.stride(0), key.stride(1), value.stride(0), value.stride(1))
+    no_new = (q, q, q, q, 0, 0, 0, 0)
     common = {"QPK": qpk, "HEAD_DIM": head_dim, "HEAD_DIM_P": head_dim_p, "BLOCK_SIZE": block_size,
               "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32", "SLIDING_WINDOW": sliding_window,
               "QUANT_OUT": quant}
     pack = cfg["PACK_HEADS"]
     grid = (num_tokens // cfg["BLOCK_Q"] + num_seqs, num_kv_heads if pack else num_heads, splits)
     _paged_attn_kernel[grid](
-        *args, **common, BLOCK_M=cfg["BLOCK_M"], BLOCK_Q=cfg["BLOCK_Q"], TILE=cfg["TILE"], NUM_SPLITS=splits,
-        SEQ_FILTER=1 if mixed else 0, PACK_HEADS=pack, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        *args, *(new_args if use_new else no_new), **common, BLOCK_M=cfg["BLOCK_M"], BLOCK_Q=cfg["BLOCK_Q"],
+        TILE=cfg["TILE"], NUM_SPLITS=splits, SEQ_FILTER=1 if mixed else 0, PACK_HEADS=pack, NEW_KV=use_new,
+        NEW_KV_TMA=descs is not None, WARP_SPEC=use_new and cfg["WARP_SPEC"], num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     if mixed:
         dec = _attention_config(q.dtype, qpk, num_seqs, num_kv_heads, 1, max_seq_len, _num_sms(q.device))
         _paged_attn_kernel[(num_seqs, num_kv_heads, 1)](
-            *args, **common, BLOCK_M=dec["BLOCK_M"], BLOCK_Q=1, TILE=dec["TILE"], NUM_SPLITS=1,
+            *args, *no_new, **common, BLOCK_M=dec["BLOCK_M"], BLOCK_Q=1, TILE=dec["TILE"], NUM_SPLITS=1,
             SEQ_FILTER=2, num_warps=dec["num_warps"], num_stages=dec["num_stages"],
         )
     if splits > 1:

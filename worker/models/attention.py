@@ -201,12 +201,13 @@ class TritonAttentionBackend:
                           k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                           sliding_window: int | None, kv_quant: KVQuant | None, **extra: int) -> Any:
         """Write ``k, v`` to the cache with the layer's encoding, then run ``attend`` (one
-        of ``kernels/paged_attention.py``'s entry points, looked up at each call) over it."""
+        of ``kernels/paged_attention.py``'s entry points, looked up at each call) over it;
+        prefill chunks read their own keys from ``k, v`` (a cache of q's dtype)."""
         k_scale, v_scale, k_bias = _encoding(kv_quant)
         self._write(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale, k_bias)
         return attend(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
                       max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, sliding_window=sliding_window,
-                      k_scale=k_scale, v_scale=v_scale, **extra)
+                      k_scale=k_scale, v_scale=v_scale, key=k, value=v, **extra)
 
 
 def _encoding(kv_quant: KVQuant | None) -> tuple[float, float, torch.Tensor | None]:
