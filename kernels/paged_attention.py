@@ -298,10 +298,11 @@ if triton is not None:
         return lo - 1
 
     @triton.jit
-    def _softmax_update(q, k, v, acc, m_i, l_i, seen, qk_scale, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
-        """One key tile of the online softmax (FlashAttention-2's update): scores of ``q
-        [rows, d]`` against ``k [TILE, d]``, with ``MASKED`` only where ``seen [rows,
-        TILE]``; returns the new ``(acc, m_i, l_i)``, ``m_i`` in log2 units."""
+    def _tile_weights(q, k, m_i, l_i, seen, qk_scale, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
+        """The online softmax's step for one key tile (FlashAttention-2's update): scores of
+        ``q [rows, d]`` against ``k [TILE, d]``, masked (``MASKED``) where ``seen [rows,
+        TILE]`` is false; returns ``(p, alpha, m_new, l_new)``, ``m`` in log2 units. The
+        caller adds ``p @ v`` to its accumulator scaled by ``alpha`` (``_accumulate``)."""
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
             s = tl.where(seen, s, float("-inf"))
@@ -312,9 +313,12 @@ if triton is not None:
             m_safe = m_new
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        return acc, m_new, l_i
+        return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+    @triton.jit
+    def _accumulate(acc, p, alpha, v, DOT_PRECISION: tl.constexpr):
+        """``acc * alpha + p @ v`` (``v [TILE, d]``): the tile's values into the output."""
+        return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
 
     @triton.jit
     def _new_kv_tile(q, acc, m_i, l_i, t, offs_n, offs_d, d_valid, q_abs, context_len, num_keys, row0, key_ptr,
@@ -356,7 +360,8 @@ if triton is not None:
                 k = tl.where(cached[:, None], k_old, k)
                 v = tl.where(cached[:, None], v_old, v)
         seen = (key[None, :] <= q_abs[:, None]) & (key < num_keys)[None, :]
-        return _softmax_update(q, k, v, acc, m_i, l_i, seen, qk_scale, DOT_PRECISION, MASKED)
+        p, alpha, m_i, l_i = _tile_weights(q, k, m_i, l_i, seen, qk_scale, DOT_PRECISION, MASKED)
+        return _accumulate(acc, p, alpha, v, DOT_PRECISION), m_i, l_i
 
     @triton.jit
     def _attn_tile(q, acc, m_i, l_i, t, offs_n, offs_d, d_valid, q_abs, num_keys, first_key, bt_row, k_cache_ptr,
@@ -377,12 +382,14 @@ if triton is not None:
         kv_mask = key_valid[:, None] & d_valid[None, :]
         k = tl.load(k_cache_ptr + (phys * stride_kb + in_block * stride_ks + kh_off_k)[:, None] + offs_d[None, :],
                     mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(v_cache_ptr + (phys * stride_vb + in_block * stride_vs + kh_off_v)[:, None] + offs_d[None, :],
-                    mask=kv_mask, other=0.0).to(q.dtype)
         seen = (key[None, :] <= q_abs[:, None]) & key_valid[None, :]
         if SLIDING_WINDOW > 0:
             seen = seen & (key[None, :] > q_abs[:, None] - SLIDING_WINDOW)
-        return _softmax_update(q, k, v, acc, m_i, l_i, seen, qk_scale, DOT_PRECISION, MASKED)
+        p, alpha, m_i, l_i = _tile_weights(q, k, m_i, l_i, seen, qk_scale, DOT_PRECISION, MASKED)
+        # V is loaded after the scores, as before the K/V-rows path shared this code.
+        v = tl.load(v_cache_ptr + (phys * stride_vb + in_block * stride_vs + kh_off_v)[:, None] + offs_d[None, :],
+                    mask=kv_mask, other=0.0).to(q.dtype)
+        return _accumulate(acc, p, alpha, v, DOT_PRECISION), m_i, l_i
 
     @triton.jit
     def _store_out(o, tok, head, offs_d, row_valid, d_valid, out_ptr, out_scale_ptr, stride_ot, stride_oh,
