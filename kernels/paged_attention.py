@@ -613,14 +613,51 @@ def _next_pow2(n: int) -> int:
 
 
 def _attention_config(dtype: torch.dtype, qpk: int, num_seqs: int, num_kv_heads: int,
-                      max_query_len: int, max_seq_len: int, num_sms: int, new_kv: bool = False) -> dict[str, int]:
+                      max_query_len: int, max_seq_len: int, num_sms: int, new_kv: bool = False,
+                      head_dim: int = 128, smem_limit: int | None = None) -> dict[str, int]:
     """Tile sizes and split count from shapes and the caller's Python ints only.
 
     Correctness never depends on ``max_query_len``/``max_seq_len``: they pick tiles and
     splits, and the kernel masks by the real lengths it reads on the device. ``new_kv``:
     the prefill launch can read each chunk's keys from the step's ``key``/``value``
     (``NEW_KV``), which moves the best tiles (H200 sweep, bench/results/s18/attn_prefill_sweep_new_kv.json).
+    ``head_dim`` (padded to a power of two) and ``smem_limit`` (bytes a program may take,
+    None: no limit): the tiles are shrunk until they fit (``fit_shared_memory``), which
+    only larger heads (Gemma 3's 256) and GPUs with less shared memory than Hopper need.
     """
+    cfg = _pick_config(dtype, qpk, num_seqs, num_kv_heads, max_query_len, max_seq_len, num_sms, new_kv)
+    return cfg if smem_limit is None else fit_shared_memory(cfg, head_dim, dtype.itemsize, smem_limit)
+
+
+def shared_memory_bytes(cfg: dict[str, int], head_dim: int, elem_bytes: int) -> int:
+    """Shared memory (bytes) that a launch config's pipelined tiles take: the q-tile and
+    ``num_stages`` K and V tiles of ``head_dim`` (padded) elements of ``elem_bytes``, plus
+    1 KiB of barriers with TMA. Checked against what Triton 3.6 reported for configs that
+    did not fit an H200 (bench/results/s18/attn_prefill_sweep_new_kv.json: 128 x 128 tiles,
+    4 stages, bf16 heads of 128: 294,912 bytes; with TMA 295,936)."""
+    tiles = cfg["BLOCK_M"] * head_dim + cfg["num_stages"] * 2 * cfg["TILE"] * head_dim
+    return tiles * elem_bytes + (1024 if cfg.get("NEW_KV_TMA") else 0)
+
+
+def fit_shared_memory(cfg: dict[str, int], head_dim: int, elem_bytes: int, limit: int) -> dict[str, int]:
+    """``cfg`` with fewer stages (down to 2), then shorter key tiles (down to 16), then one
+    stage, until ``shared_memory_bytes`` is within ``limit``; unchanged when it fits."""
+    cfg = dict(cfg)
+    while shared_memory_bytes(cfg, head_dim, elem_bytes) > limit:
+        if cfg["num_stages"] > 2:
+            cfg["num_stages"] -= 1
+        elif cfg["TILE"] > 16:
+            cfg["TILE"] //= 2
+        elif cfg["num_stages"] > 1:
+            cfg["num_stages"] = 1
+        else:
+            break
+    return cfg
+
+
+def _pick_config(dtype: torch.dtype, qpk: int, num_seqs: int, num_kv_heads: int, max_query_len: int,
+                 max_seq_len: int, num_sms: int, new_kv: bool) -> dict[str, int]:
+    """``_attention_config``'s choice before the shared-memory fit."""
     tile = 32 if dtype == torch.float32 else 64
     num_stages = 2
     if max_query_len <= 1:
@@ -697,6 +734,18 @@ def _kv_descriptors(key: torch.Tensor, value: torch.Tensor, tile: int, head_dim:
 
 _SM_COUNT: dict[int, int] = {}
 _TMA: dict[int, bool] = {}
+_SMEM: dict[int, int] = {}
+
+
+def _max_shared_memory(device: torch.device) -> int | None:
+    """Shared memory one program may take on ``device`` (bytes, the opt-in maximum, as
+    Triton's compiler checks it); None for the interpreter on CPU (no limit)."""
+    if device.type != "cuda":
+        return None
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMEM:
+        _SMEM[idx] = triton.runtime.driver.active.utils.get_device_properties(idx)["max_shared_mem"]
+    return _SMEM[idx]
 
 
 def _has_tma(device: torch.device) -> bool:
@@ -871,10 +920,11 @@ def _paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if sliding_window:  # a decode token reads at most its window: split that many keys
         max_seq_len = min(max_seq_len, sliding_window)
     new_ok = new_kv is not None and not sliding_window and max_query_len > 1
-    cfg = _attention_config(q.dtype, qpk, num_seqs, num_kv_heads, max_query_len, max_seq_len, _num_sms(q.device),
-                            new_kv=new_ok)
-    splits = cfg["NUM_SPLITS"]
     head_dim_p = max(16, _next_pow2(head_dim))
+    smem = _max_shared_memory(q.device)
+    cfg = _attention_config(q.dtype, qpk, num_seqs, num_kv_heads, max_query_len, max_seq_len, _num_sms(q.device),
+                            new_kv=new_ok, head_dim=head_dim_p, smem_limit=smem)
+    splits = cfg["NUM_SPLITS"]
     if splits > 1:  # shape-only allocations: fine under CUDA-graph capture (graph pool)
         part_out = torch.empty(num_tokens, num_heads, splits, head_dim_p, dtype=torch.float32, device=q.device)
         part_m = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q.device)
@@ -914,7 +964,8 @@ def _paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         num_stages=cfg["num_stages"],
     )
     if mixed:
-        dec = _attention_config(q.dtype, qpk, num_seqs, num_kv_heads, 1, max_seq_len, _num_sms(q.device))
+        dec = _attention_config(q.dtype, qpk, num_seqs, num_kv_heads, 1, max_seq_len, _num_sms(q.device),
+                                head_dim=head_dim_p, smem_limit=smem)
         _paged_attn_kernel[(num_seqs, num_kv_heads, 1)](
             *args, *no_new, **common, BLOCK_M=dec["BLOCK_M"], BLOCK_Q=1, TILE=dec["TILE"], NUM_SPLITS=1,
             SEQ_FILTER=2, num_warps=dec["num_warps"], num_stages=dec["num_stages"],
