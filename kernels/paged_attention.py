@@ -24,6 +24,7 @@ FlashAttention-2's ``flash_attn_varlen_func`` with a block table (Dao, 2023).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any
 
@@ -510,20 +511,16 @@ if triton is not None:
         kh_off_v = kv_head.to(tl.int64) * stride_vh
         if NEW_KV:
             # The cache path's tiles in its order: tiles wholly before context_len from the
-            # cache, a tile across it from both, the rest from key/value; masked from the
-            # first tile that a row of the q-block does not wholly see.
+            # cache (every row sees all of them: no mask), a tile across it from both, the
+            # rest from key/value, masked from the first tile that a row of the q-block
+            # does not wholly see.
             full_hi = tl.maximum(tl.minimum((context_len + q_block_local * BLOCK_Q + 1) // TILE, tile_hi), tile_lo)
             ctx_full = context_len // TILE
-            for t in range(tile_lo, tl.minimum(ctx_full, full_hi)):
+            for t in range(tile_lo, ctx_full):
                 acc, m_i, l_i = _attn_tile(
                     q, acc, m_i, l_i, t, offs_n, offs_d, d_valid, q_abs, num_keys, first_key, bt_row, k_cache_ptr,
                     v_cache_ptr, kh_off_k, kh_off_v, qk_scale, stride_bt_b, stride_kb, stride_ks, stride_vb,
                     stride_vs, BLOCK_SIZE, TILE, DOT_PRECISION, 0, False)
-            for t in range(tl.minimum(ctx_full, full_hi), ctx_full):
-                acc, m_i, l_i = _attn_tile(
-                    q, acc, m_i, l_i, t, offs_n, offs_d, d_valid, q_abs, num_keys, first_key, bt_row, k_cache_ptr,
-                    v_cache_ptr, kh_off_k, kh_off_v, qk_scale, stride_bt_b, stride_kb, stride_ks, stride_vb,
-                    stride_vs, BLOCK_SIZE, TILE, DOT_PRECISION, 0, True)
             first_new = ctx_full
             if ctx_full * TILE < context_len:  # the tile across context_len (always masked)
                 acc, m_i, l_i = _new_kv_tile(
@@ -642,6 +639,8 @@ def shared_memory_bytes(cfg: dict[str, int], head_dim: int, elem_bytes: int) -> 
 def fit_shared_memory(cfg: dict[str, int], head_dim: int, elem_bytes: int, limit: int) -> dict[str, int]:
     """``cfg`` with fewer stages (down to 2), then shorter key tiles (down to 16), then one
     stage, until ``shared_memory_bytes`` is within ``limit``; unchanged when it fits."""
+    if shared_memory_bytes(cfg, head_dim, elem_bytes) <= limit:
+        return cfg
     cfg = dict(cfg)
     while shared_memory_bytes(cfg, head_dim, elem_bytes) > limit:
         if cfg["num_stages"] > 2:
@@ -660,6 +659,7 @@ def _pick_config(dtype: torch.dtype, qpk: int, num_seqs: int, num_kv_heads: int,
     """``_attention_config``'s choice before the shared-memory fit."""
     tile = 32 if dtype == torch.float32 else 64
     num_stages = 2
+    packed_new_kv = packed_tma = False  # decode launches read the cache
     if max_query_len <= 1:
         block_m, num_warps = max(16, _next_pow2(qpk)), 4
         block_q = 1
@@ -708,12 +708,10 @@ def _pick_config(dtype: torch.dtype, qpk: int, num_seqs: int, num_kv_heads: int,
         splits = 1
         # Packed heads with the chunk's keys from key/value beat one head per program
         # below ~8k-token chunks (2 x 2,048 tokens: 158 us packed with TMA, 169 one head).
-        return {"BLOCK_M": block_m, "BLOCK_Q": block_q, "TILE": tile, "NUM_SPLITS": splits,
-                "num_warps": num_warps, "num_stages": num_stages, "PACK_HEADS": True,
-                "NEW_KV": new_kv, "NEW_KV_TMA": tma, "WARP_SPEC": False}
+        packed_new_kv, packed_tma = new_kv, tma
     return {"BLOCK_M": block_m, "BLOCK_Q": block_q, "TILE": tile, "NUM_SPLITS": splits,
             "num_warps": num_warps, "num_stages": num_stages, "PACK_HEADS": True,
-            "NEW_KV": False, "NEW_KV_TMA": False, "WARP_SPEC": False}
+            "NEW_KV": packed_new_kv, "NEW_KV_TMA": packed_tma, "WARP_SPEC": False}
 
 
 def _kv_descriptors(key: torch.Tensor, value: torch.Tensor, tile: int, head_dim: int) -> tuple[Any, Any] | None:
@@ -732,40 +730,35 @@ def _kv_descriptors(key: torch.Tensor, value: torch.Tensor, tile: int, head_dim:
     return descs[0], descs[1]
 
 
-_SM_COUNT: dict[int, int] = {}
-_TMA: dict[int, bool] = {}
-_SMEM: dict[int, int] = {}
+@functools.cache
+def _gpu_facts(idx: int) -> tuple[int, bool, int]:
+    """GPU ``idx``'s ``(SM count, whether tensor descriptors lower to TMA (Hopper or
+    later), shared memory one program may take in bytes (the opt-in maximum, as Triton's
+    compiler checks it))``, read once."""
+    props = torch.cuda.get_device_properties(idx)
+    smem = triton.runtime.driver.active.utils.get_device_properties(idx)["max_shared_mem"]
+    return props.multi_processor_count, props.major >= 9, smem
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _max_shared_memory(device: torch.device) -> int | None:
-    """Shared memory one program may take on ``device`` (bytes, the opt-in maximum, as
-    Triton's compiler checks it); None for the interpreter on CPU (no limit)."""
-    if device.type != "cuda":
-        return None
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMEM:
-        _SMEM[idx] = triton.runtime.driver.active.utils.get_device_properties(idx)["max_shared_mem"]
-    return _SMEM[idx]
+    """``_gpu_facts``' shared memory per program; None for the interpreter on CPU (no limit)."""
+    return _gpu_facts(_device_index(device))[2] if device.type == "cuda" else None
 
 
 def _has_tma(device: torch.device) -> bool:
     """Whether tensor descriptors lower to TMA here: a Hopper or later GPU, or the
     interpreter on CPU (which runs them as plain loads, so tests can take that path)."""
-    if device.type != "cuda":
-        return True
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _TMA:
-        _TMA[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
-    return _TMA[idx]
+    return _gpu_facts(_device_index(device))[1] if device.type == "cuda" else True
 
 
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132  # interpreter runs on CPU: any number will do
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
+    return _gpu_facts(_device_index(device))[0]
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
