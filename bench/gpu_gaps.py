@@ -8,9 +8,10 @@ between them. With ``--groups G``, the prompts are G groups that each share a
 tokens the cache served (``cached_tokens``).
 
 Prints and writes (``--out``): the call's wall time, the GPU's span and busy time, the
-gaps over ``--min-gap-us`` summed by the pair of operations around them (a gap after the
+gaps over ``--min-gap-us`` by the pair of operations around them (summed ms, count,
+longest ms) (a gap after the
 sampled ids' copy to the host and before the next step's input copy is the host's time
-between two steps), the busiest kernels, and the wall time of the same batch shape run
+between two steps), the busiest kernels (ms, launches), and the wall time of the same batch shape run
 again without the profiler (``wall_ms_unprofiled``: with ``--max-tokens 1``, the TTFT).
 ``--prefill-config`` overrides the prefill attention launch's config (A/B of a kernel
 choice in the whole engine).
@@ -47,15 +48,21 @@ from worker.llm import LLM
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-def gaps_by_neighbours(events: list[dict], min_gap_us: float) -> collections.Counter:
+def gaps_by_neighbours(events: list[dict], min_gap_us: float) -> tuple[collections.Counter, collections.Counter, dict]:
     """Idle microseconds between consecutive GPU events (sorted by start), longer than
-    ``min_gap_us``, summed per (event before, event after) name pair."""
-    out: collections.Counter = collections.Counter()
+    ``min_gap_us``, per (event before, event after) name pair: their sum, their count
+    and the longest."""
+    total: collections.Counter = collections.Counter()
+    count: collections.Counter = collections.Counter()
+    longest: dict = {}
     for a, b in itertools.pairwise(events):
         gap = b["ts"] - (a["ts"] + a["dur"])
         if gap > min_gap_us:
-            out[(a["name"][:60], b["name"][:60])] += gap
-    return out
+            key = (a["name"][:60], b["name"][:60])
+            total[key] += gap
+            count[key] += 1
+            longest[key] = max(longest.get(key, 0.0), gap)
+    return total, count, longest
 
 
 def main() -> None:
@@ -73,6 +80,8 @@ def main() -> None:
     ap.add_argument("--prefill-config", default="",
                     help="JSON over the prefill attention launch's config (kernels/paged_attention.py "
                          "_attention_config), e.g. '{\"NEW_KV_TMA\": true}'; set before the engine starts")
+    ap.add_argument("--engine-json", default="",
+                    help="JSON of more LLM() keywords (EngineSettings fields), e.g. '{\"graph_pieces\": 1}'")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if args.groups < 0 or args.num_prompts < max(args.groups, 1):
@@ -86,7 +95,7 @@ def main() -> None:
     llm = LLM(model=args.model, load_format="dummy", max_num_seqs=args.max_num_seqs,
               max_model_len=max(4096, (args.prefix_len if shared else 0) + args.prompt_len + args.max_tokens),
               max_num_batched_tokens=args.max_num_batched_tokens, quantization=args.quantization,
-              enable_prefix_caching=shared)
+              enable_prefix_caching=shared, **(json.loads(args.engine_json) if args.engine_json else {}))
     rng = random.Random(0)
 
     def ids(n: int) -> list[int]:
@@ -122,22 +131,25 @@ def main() -> None:
     gpu = sorted((e for e in events if e.get("cat") in GPU_CATEGORIES and "dur" in e), key=lambda e: e["ts"])
     span_ms = (gpu[-1]["ts"] + gpu[-1]["dur"] - gpu[0]["ts"]) / 1e3
     busy_ms = sum(e["dur"] for e in gpu) / 1e3
-    gaps = gaps_by_neighbours(gpu, args.min_gap_us)
+    gaps, gap_counts, gap_longest = gaps_by_neighbours(gpu, args.min_gap_us)
     kernels: collections.Counter = collections.Counter()
+    calls: collections.Counter = collections.Counter()
     for e in gpu:
         kernels[e["name"][:60]] += e["dur"]
+        calls[e["name"][:60]] += 1
     res = {"date": date.today().isoformat(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "model": args.model, "quantization": args.quantization, "prompt_len": args.prompt_len,
            "num_prompts": args.num_prompts, "groups": args.groups,
            "prefix_len": args.prefix_len if shared else 0, "max_tokens": args.max_tokens,
            "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
            "prompt_tokens": sum(len(p) for p in batch), "cached_tokens": sum(o.num_cached_tokens for o in outs),
-           "prefill_config": args.prefill_config,
+           "prefill_config": args.prefill_config, "engine_json": args.engine_json,
            "wall_ms": round(wall_ms, 2), "wall_ms_unprofiled": round(unprofiled_ms, 2),
            "gpu_span_ms": round(span_ms, 2),
            "gpu_busy_ms": round(busy_ms, 2), "gaps_ms": round(sum(gaps.values()) / 1e3, 2),
-           "gaps_by_neighbours_ms": [[a, b, round(g / 1e3, 3)] for (a, b), g in gaps.most_common(10)],
-           "busiest_ms": [[n, round(d / 1e3, 2)] for n, d in kernels.most_common(15)]}
+           "gaps_by_neighbours_ms": [[a, b, round(g / 1e3, 3), gap_counts[a, b], round(gap_longest[a, b] / 1e3, 3)]
+                                     for (a, b), g in gaps.most_common(10)],
+           "busiest_ms": [[n, round(d / 1e3, 2), calls[n]] for n, d in kernels.most_common(20)]}
     print(json.dumps(res, indent=1))
     Path(args.out).write_text(json.dumps(res, indent=1))
 

@@ -175,6 +175,24 @@ def test_a_higher_class_arrival_withholds_one_chained_step_and_changes_no_token(
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("pieces", [1, 2])
+def test_the_chain_waits_for_the_step_in_flight_only_after_traffic_that_could_preempt(pieces: int) -> None:
+    """Without any announcement a chained decode step is replayed before the engine waits
+    for the step in flight (its launch overlaps that step); after an announcement of a
+    class above the running one (within ``LOOK_WINDOW_S``, though the pull forgot it),
+    every chain takes the late look instead. The tokens are the same either way."""
+    llm = _engine(graph_pieces=pieces)
+    plain, _, withheld = _run(llm, {})
+    assert withheld == 0 and llm.engine.num_chains_unlooked > 0
+    llm = _engine(graph_pieces=pieces)
+    llm.engine.note_arrival(INTERACTIVE)
+    llm.engine.note_arrival(None)
+    outs, _, withheld = _run(llm, {})
+    assert withheld == 0 and llm.engine.num_async_steps > 0 and llm.engine.num_chains_unlooked == 0
+    assert outs == plain
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("pieces", [1, 2])
 def test_withheld_step_lets_the_newcomer_prefill_in_the_next_step(pieces: int) -> None:
     """Step by step: without the note the interactive request, added after step 6 (the
     worker's pull), waits one more step (the one chained during step 6) before its

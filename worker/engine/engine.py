@@ -186,6 +186,9 @@ class LLMEngine:
         # What was announced since the worker last pulled (``note_arrival``).
         self.arrivals = Arrivals()
         self.num_chains_withheld = 0  # decode steps not chained for an arrival (``_finish_inflight``)
+        # Decode steps chained without the late look (nothing that could preempt was
+        # announced lately: ``Arrivals.worth_looking``), single-GPU only.
+        self.num_chains_unlooked = 0
         # The look at the step in progress, between layers (eager) or pieces (replays).
         self.step_stop = StepStop(self.arrivals, self.scheduler)
         self.num_steps_stopped = 0  # steps stopped between layers or pieces for an arrival
@@ -411,9 +414,12 @@ class LLMEngine:
         (``_launch_decode``) goes on piece by piece while nothing preempting is announced
         (``ModelRunner.finish_pieces``); else it is dropped there, as a stopped step.
 
-        The late look (not under tensor parallelism): the next step is prepared, and
-        replayed once the one in flight has run only if no request was announced meanwhile
-        that would take the place of its work (``note_arrival``, ``Arrivals.preempts``)."""
+        The late look (not under tensor parallelism), while a request that could take
+        the place of the next step's work was announced lately (``Arrivals.worth_looking``):
+        the next step is prepared, and replayed once the one in flight has run only if no
+        such request was announced meanwhile (``note_arrival``, ``Arrivals.preempts``).
+        Otherwise the next step is enqueued before the wait, so its graph launch overlaps
+        the step in flight (``num_chains_unlooked``)."""
         out, launch = self._inflight  # type: ignore[misc]
         if isinstance(launch, PiecewiseReplay):
             requests = [item.request for item in out.scheduled]
@@ -436,18 +442,24 @@ class LLMEngine:
         requests = [item.request for item in nxt.scheduled]
         # One position past the token in flight, which the host has not applied yet.
         positions = [r.num_computed_tokens + 1 for r in requests]
-        if all(r.grammar is None for r in requests) and self.runner.step_sync is None:
+        # ``running`` is in class order: its last request is of the lowest class.
+        lowest_class = self.scheduler.running[-1].priority
+        engine_full = len(self.scheduler.running) >= self.scheduler.max_num_seqs
+        if (all(r.grammar is None for r in requests) and self.runner.step_sync is None
+                and self.arrivals.worth_looking(lowest_class, engine_full)):
             # The late look: a request of a higher class (or one that claims a slot of a
             # full engine) queued while the step in flight ran would otherwise wait for
             # the chained step too, then for its own (it is pulled between steps).
             # Prepare the chained step, wait for the one in flight, and replay only if
             # no such request was announced meanwhile. The GPU idles for the replay's
-            # launch only; the host's apply still overlaps the replay. (Not under tensor
-            # parallelism: rank 0 announces each step to the others as it prepares it.)
+            # launch (~0.2 ms for a 7B model's first piece of four, ~0.6 ms whole, on an
+            # H200); the host's apply still overlaps the replay. So the engine looks only
+            # while such traffic was seen lately (``Arrivals.worth_looking``), as between
+            # pieces; else the chained step is replayed before the wait, below. (Not under
+            # tensor parallelism: rank 0 announces each step to the others as it prepares it.)
             max_seq_len = self.runner.prepare_decode(requests, positions, launch.sampled)
             token_ids = launch.token_ids()
-            # ``running`` is in class order: its last request is of the lowest class.
-            if self.arrivals.preempts(self.scheduler, self.scheduler.running[-1].priority):
+            if self.arrivals.preempts(self.scheduler, lowest_class):
                 # Not chained: its blocks stay with their requests, for their next step.
                 self.num_chains_withheld += 1
                 self._inflight = None
@@ -460,7 +472,8 @@ class LLMEngine:
             return self._apply(out, token_ids)  # type: ignore[arg-type]
         self.num_async_steps += 1
         if all(r.grammar is None for r in requests):
-            self._inflight = nxt, self.runner.launch_decode(requests, positions, launch.sampled)
+            self.num_chains_unlooked += self.runner.step_sync is None
+            self._inflight = nxt, self._launch_decode(requests, positions, launch.sampled)
             return self._apply(out, launch.token_ids())  # type: ignore[arg-type]
         # A grammar's next mask needs the token in flight: enqueue the forward pass, apply
         # the tokens (advancing the grammars) while it runs, then sample under the masks.
