@@ -217,7 +217,7 @@ if triton is not None:
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          SCALE_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr,
                          HAS_BIAS: tl.constexpr, X_SCALED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                         USE_TMA: tl.constexpr, SERIAL: tl.constexpr):
+                         USE_TMA: tl.constexpr, SERIAL: tl.constexpr, W_SCALED: tl.constexpr = True):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
@@ -260,7 +260,7 @@ if triton is not None:
                 acc += part
         if SWAP_AB:
             acc = tl.trans(acc)
-        if SCALE_BLOCK == 0:
+        if SCALE_BLOCK == 0 and W_SCALED:  # per channel; a 16-bit weight has none (kernels/gemv.py)
             acc = acc * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
         mask = mask_m[:, None] & mask_n[None, :]
         if SPLIT_K and not SERIAL:

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import gemv
 from kernels.fused_add_rms_norm import fused_add_rms_norm_fp8
 from kernels.silu_and_mul import silu_and_mul, silu_and_mul_fp8
 from worker.models.fp8 import (
@@ -52,6 +53,9 @@ from worker.models.fp8 import (
     takes_group_quantized_input,
 )
 
+#: Whether CUDA products of few rows by 16-bit weights take ``kernels/gemv.py`` (False:
+#: ``F.linear``, cuBLAS; for A/B runs, set before the CUDA graphs are captured).
+GEMV_ON = True
 #: Rows (tokens) up to which a packed weight is always used.
 PACKED_MAX_ROWS = 256
 #: No row limit: the packed weight is used for every step.
@@ -111,10 +115,14 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: PackedWeight | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for ``x [rows, in]``, through ``packed`` (``pack_weight``
-    of ``weight``) when there is one and ``rows <= packed.max_rows``."""
+    """``x @ weight.T + bias`` for ``x [rows, in]``: through ``packed`` (``pack_weight``
+    of ``weight``) when there is one and ``rows <= packed.max_rows`` (CPU); on CUDA, up to
+    ``gemv.MAX_ROWS`` rows of a 16-bit weight through the weight-streaming ``gemv``
+    (``gemv.takes``; decode steps); else ``F.linear``."""
     if packed is not None and x.dim() == 2 and x.shape[0] <= packed.max_rows:
         return packed_linear(x, packed.tensor, bias)
+    if GEMV_ON and gemv.takes(x, weight):
+        return gemv.gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
