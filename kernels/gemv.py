@@ -8,7 +8,7 @@ arrive, the weight tile read by TMA on Hopper and later.
 Why: a decode step's time is the time to read the weights, and at one row cuBLAS (torch
 2.11, CUDA 13, H200) reads Qwen2.5-7B's projections at 56-87% of the copy rate, adding a
 split-K reduce launch to o_proj and down_proj; this kernel reads gate_up at 98%, down at
-88% and o at 60%, and loses on qkv (65% against 70%; ``python bench/gemv_bench.py``,
+88% and o at 60%, and loses on qkv (65% against 69%; ``python bench/gemv_bench.py``,
 bench/results/s19/gemv16_m1.json). One plan (``PLAN``) is the best single configuration
 over the four projections there.
 
