@@ -6,7 +6,11 @@ workers whose KV indexes hold the prompt's prefix on one of them.
 Prints and writes, per prompt length and worker count: hashing µs/request, place µs of
 gateway CPU per request (``time.process_time``, so Redis's own time, in its process, is
 left out and reported apart as the pipeline's wall time per request), and Redis round
-trips per request (one pipeline per ``--batch`` requests).
+trips per request (one pipeline per ``--batch`` requests). The prompts are hashed as the
+gateway queues them (``TokenIds``, int32 bytes, made for the stream entry whatever the
+policy); ``pack_us_per_request`` is that encoding, reported apart, beside
+``list_encode_us_per_request``, what msgpack took for the list of ids that the entry
+carried before (protocol version 2).
 
 Usage: ``python -m bench.placement_cost [--prompt-lens 1000,4000] [--workers 2,8]
 [--requests 400] [--batch 1] [--out bench/results/placement_cost.json]``.
@@ -24,6 +28,7 @@ import time
 import uuid
 from pathlib import Path
 
+import msgspec
 import redis.asyncio as aioredis
 
 from gateway.placement import Placer
@@ -32,6 +37,7 @@ from shared.block_hashes import block_hashes
 from shared.embedded_redis import EmbeddedRedis
 from shared.keys import Keys
 from shared.protocol import WorkerStatus
+from shared.token_ids import TokenIds
 
 BLOCK_SIZE = 16
 MODEL = "m"
@@ -41,7 +47,17 @@ async def _measure(url: str, prompt_len: int, num_workers: int, num_requests: in
     client = aioredis.from_url(url)
     keys = Keys(f"pc{uuid.uuid4().hex[:8]}")
     rng = random.Random(0)
-    prompts = [[rng.randrange(50_000) for _ in range(prompt_len)] for _ in range(8)]
+    id_lists = [[rng.randrange(50_000) for _ in range(prompt_len)] for _ in range(8)]
+    t0 = time.process_time()
+    for _ in range(num_requests):
+        prompts = [TokenIds.of(ids) for ids in id_lists]
+    pack_cpu = (time.process_time() - t0) / len(id_lists)
+    encoder = msgspec.msgpack.Encoder()
+    t0 = time.process_time()
+    for _ in range(num_requests):
+        for ids in id_lists:
+            encoder.encode(ids)
+    list_encode_cpu = (time.process_time() - t0) / len(id_lists)
     for w in range(num_workers):
         status = WorkerStatus(worker_id=f"w{w}", model=MODEL, backend="sim", num_running=0, num_waiting=0,
                               kv_usage=0.0, num_free_blocks=1000, block_size=BLOCK_SIZE, max_num_seqs=64,
@@ -66,6 +82,8 @@ async def _measure(url: str, prompt_len: int, num_workers: int, num_requests: in
         hash_cpu += t1 - t0
     await client.aclose()
     return {"prompt_len": prompt_len, "num_workers": num_workers, "batch": batch, "num_requests": num_requests,
+            "pack_us_per_request": 1e6 * pack_cpu / num_requests,
+            "list_encode_us_per_request": 1e6 * list_encode_cpu / num_requests,
             "hash_us_per_request": 1e6 * hash_cpu / num_requests,
             "place_cpu_us_per_request": 1e6 * place_cpu / num_requests,
             "place_wall_us_per_request": 1e6 * place_wall / num_requests,
@@ -99,7 +117,8 @@ def main() -> None:
     finally:
         server.stop()
     for r in rows:
-        print(f"prompt {r['prompt_len']:>5}  workers {r['num_workers']}  hash {r['hash_us_per_request']:7.1f} us  "
+        print(f"prompt {r['prompt_len']:>5}  workers {r['num_workers']}  (pack {r['pack_us_per_request']:5.1f} us, "
+              f"list msgpack {r['list_encode_us_per_request']:5.1f} us)  hash {r['hash_us_per_request']:7.1f} us  "
               f"place {r['place_cpu_us_per_request']:7.1f} us CPU ({r['place_wall_us_per_request']:7.1f} us wall)  "
               f"total {r['total_cpu_us_per_request']:7.1f} us  round trips {r['round_trips_per_request']:.2f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

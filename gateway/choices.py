@@ -56,6 +56,7 @@ from shared.fair_queue import DEFAULT_CLASS, class_rank
 from shared.keys import ANONYMOUS_TENANT
 from shared.protocol import GenerateRequest
 from shared.sampling import SamplingParams
+from shared.token_ids import TokenIds
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,9 @@ async def submit(state: GatewayState, request: Request, request_id: str, prompts
     rank = class_rank(priority_class)
     stream = state.queue.stream(priority_class, tenant)
     gens, messages = [], []
+    # Each prompt's ids as queued (int32 bytes, encoded once: the entries and the
+    # placement hashes share them).
+    queued_ids = [TokenIds.of(p) for p in prompts]
     for k, child_id in enumerate(child_ids):
         prompt_ids, sampling = prompts[k // n], child_params(params[k // n], k % n)
         processor = OutputProcessor(tok.tokenizer, prompt_ids, stops, tok.eos_token_ids | set(sampling.stop_token_ids))
@@ -114,13 +118,13 @@ async def submit(state: GatewayState, request: Request, request_id: str, prompts
                                on_close=on_close, is_disconnected=request.is_disconnected if poll_disconnect else None,
                                constraint_param=constraint_param))
         messages.append(GenerateRequest(
-            request_id=child_id, model=state.served_model_name, prompt_token_ids=prompt_ids, sampling=sampling,
+            request_id=child_id, model=state.served_model_name, prompt_token_ids=queued_ids[k // n], sampling=sampling,
             reply_channel=state.relay.channel, deadline_unix_s=deadline_unix_s, attempt=0, created_unix_s=now_unix_s,
             priority=rank, tenant=tenant))
     _register(state, gens)
     placer = state.enqueuer.placer
     # Children of several prompts go to one stream in one script: placed by the first prompt.
-    query = placer.query(prompts[0], session) if placer is not None else None
+    query = placer.query(queued_ids[0], session) if placer is not None else None
     try:
         enqueued = await state.enqueuer.enqueue(stream, messages, id_key, wire_id,
                                                 math.ceil(state.settings.request_timeout_s), query=query)

@@ -489,7 +489,8 @@ class Placer:
         the shared stream. Hashes only under ``cache_aware`` (the other policies need no
         overlap), and only every ``placement_stride(block_size)``-th block and the few
         full ones after the last of those: CPU cost one pass of SHA-256 over the prompt
-        plus one finalization per ``PLACEMENT_TOKENS``."""
+        plus one finalization per ``PLACEMENT_TOKENS`` (a ``TokenIds`` prompt, as the
+        gateway queues it, is hashed as it is; a list is packed into int32 bytes first)."""
         block_size = self.view.block_size
         if block_size is None:
             return None

@@ -24,40 +24,22 @@ a 4,000-token prompt: 13 µs against 29 µs on the 2-core AMD EPYC dev VM). Trun
 among 2^40 cached blocks has odds of about 2^-49; 16-byte hashes keep the KV indexes
 and the placement script's arguments half the size of whole digests.
 
-Tokens are hashed as little-endian int32 (every vocabulary fits).
+Tokens are hashed as little-endian int32 (every vocabulary fits): ``token_bytes``, the
+bytes that the gateway also queues (``shared/token_ids.py``), so a ``TokenIds`` prompt
+is hashed without being encoded again.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import struct
 from collections.abc import Sequence
+
+from shared.token_ids import token_bytes
 
 #: Bytes of one block hash (the SHA-256 digest's first 16).
 HASH_BYTES = 16
 #: Prefix of the hashed stream; the version changes when the definition does.
 _DOMAIN = b"inferq-kv-3:"
-
-
-@functools.lru_cache(maxsize=256)
-def _int32s(num_tokens: int) -> struct.Struct:
-    # A compiled Struct per length: ``Struct.pack(*ids)`` builds one argument tuple, where
-    # ``struct.pack(fmt, *ids)`` first copies the ids into a list behind the format
-    # (~8 µs of ~50 for 4,000 ids).
-    return struct.Struct(f"<{num_tokens}i")
-
-
-def token_bytes(token_ids: Sequence[int]) -> bytes:
-    """``token_ids`` as little-endian int32 bytes (4 per token: what the hash reads).
-
-    ``struct`` is the fastest way here from a list of Python ints (~10 ns a token; array,
-    numpy, pickle and marshal are all slower).
-
-    Raises:
-        struct.error: a token id outside int32.
-    """
-    return _int32s(len(token_ids)).pack(*token_ids)
 
 
 def _start(block_size: int) -> hashlib._Hash:

@@ -19,10 +19,12 @@ from typing import Literal
 import msgspec
 
 from shared.sampling import SamplingParams
+from shared.token_ids import TokenIds
 
 #: 2: one ``TokenBatch`` per gateway per engine step replaced the per-request
-#: ``TokenMessage`` of version 1.
-PROTOCOL_VERSION = 2
+#: ``TokenMessage`` of version 1. 3: ``GenerateRequest.prompt_token_ids`` travel as
+#: little-endian int32 bytes (``TokenIds``), not a msgpack array.
+PROTOCOL_VERSION = 3
 
 #: Why a request stopped, in OpenAI terms. ``abort`` never reaches a client as a
 #: finish_reason: the gateway turns it into an error.
@@ -33,7 +35,8 @@ class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True):
     """One request (or a continuation of one), as queued on the model's stream.
 
     ``prompt_token_ids`` are already tokenized by the gateway (the chat template
-    applied). ``attempt`` counts re-enqueues after failover; replies carry it so the
+    applied): a ``TokenIds`` (int32 bytes on the wire; a list or tuple given here is
+    turned into one). ``attempt`` counts re-enqueues after failover; replies carry it so the
     gateway can drop messages of older attempts. ``deadline_unix_s`` is wall-clock
     (seconds since the epoch): a worker that pulls an entry after it drops it with an
     error instead of running it.
@@ -56,7 +59,7 @@ class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True):
 
     request_id: str
     model: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: TokenIds
     sampling: SamplingParams
     reply_channel: str
     deadline_unix_s: float
@@ -66,6 +69,10 @@ class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True):
     priority: int = 0
     tenant: str = ""
     v: int = PROTOCOL_VERSION
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prompt_token_ids, TokenIds):
+            self.prompt_token_ids = TokenIds.of(self.prompt_token_ids)
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -206,8 +213,23 @@ class WorkerStatus(msgspec.Struct, tag="status", kw_only=True):
 ReplyMessage = TokenBatch | ErrorMessage
 AnyMessage = GenerateRequest | TokenBatch | ErrorMessage | AbortMessage | WorkerStatus
 
-_encoder = msgspec.msgpack.Encoder()
-_decoder: msgspec.msgpack.Decoder[AnyMessage] = msgspec.msgpack.Decoder(AnyMessage)
+
+
+def _enc_hook(obj: object) -> bytes:
+    if isinstance(obj, TokenIds):
+        return obj.data
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+def _dec_hook(kind: type, obj: object) -> object:
+    # A TypeError or ValueError here reaches the caller as a msgspec.ValidationError.
+    if kind is TokenIds and isinstance(obj, bytes):
+        return TokenIds(obj)
+    raise TypeError(f"expected int32 bytes for {kind.__name__}, got {type(obj).__name__}")
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+_decoder: msgspec.msgpack.Decoder[AnyMessage] = msgspec.msgpack.Decoder(AnyMessage, dec_hook=_dec_hook)
 
 
 class ProtocolError(ValueError):

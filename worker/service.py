@@ -403,7 +403,7 @@ class Worker:
         # A placed stream names no tenant: the request carries it.
         tenant = message.tenant or stream_class_tenant(self.keys, self.model, stream)[1]
         try:
-            self.backend.add_request(message.request_id, message.prompt_token_ids, message.sampling,
+            self.backend.add_request(message.request_id, message.prompt_token_ids.tolist(), message.sampling,
                                      message.output_token_ids, priority=message.priority, tenant=tenant,
                                      num_cached_hint=_cached_hint(message, fields))
         except RequestRejected as exc:
