@@ -216,6 +216,9 @@ def smollm_stack(tmp_path_factory, smollm_source) -> Iterator[str]:
         processes.wait_for_workers(server.url, 1, [worker])
         yield url
     finally:
-        assert processes.stop(worker) == 0, (logs / "worker.log").read_text()[-3000:]
+        # Everything stops before the worker's exit status is judged: a worker that did
+        # not come up must not leave the gateway and Redis running.
+        worker_rc = processes.stop(worker)
         processes.stop(gateway)
         server.close()
+        assert worker_rc == 0, (logs / "worker.log").read_text()[-3000:]

@@ -48,9 +48,10 @@ def stack(tmp_path_factory, smollm_source) -> Iterator[Stack]:
         processes.wait_for_workers(server.url, 1, [worker])
         yield Stack(url, f"http://127.0.0.1:{metrics_port}/metrics")
     finally:
-        assert processes.stop(worker) == 0, (logs / "worker.log").read_text()[-3000:]
+        worker_rc = processes.stop(worker)  # everything stops before the status is judged
         processes.stop(gateway)
         server.close()
+        assert worker_rc == 0, (logs / "worker.log").read_text()[-3000:]
 
 
 def scrape(url: str) -> dict[str, list[tuple[str, dict[str, str], float]]]:
