@@ -28,6 +28,7 @@ import json
 import torch
 
 import kernels.paged_attention as pa
+from kernels.gpu_facts import num_sms
 
 
 def time_us(fn, reps: int = 20) -> float:
@@ -110,7 +111,7 @@ def prefill_sweep(default_only: bool = False, points: tuple = PREFILL_POINTS, fu
         kc.view(-1, nkv, d)[slots] = key
         vc.view(-1, nkv, d)[slots] = value
         # The engine passes this step's key/value: the default is the config for that.
-        default = pa._attention_config(dt, nh // nkv, num_prompts, nkv, qlen, length, pa._num_sms(q.device),
+        default = pa._attention_config(dt, nh // nkv, num_prompts, nkv, qlen, length, num_sms(q.device),
                                        new_kv=True)
         call = functools.partial(pa.paged_attention, q, kc, vc, tables, qsl, lens, d ** -0.5, out,
                                  max_query_len=qlen, max_seq_len=length)
@@ -196,7 +197,7 @@ def main() -> None:
         lens = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
         out = torch.empty_like(q)
         ref = pa.paged_attention_ref(q.float(), kc.float(), vc.float(), tables, qsl, lens, d ** -0.5)
-        default = pa._attention_config(dt, nh // nkv, batch, nkv, 1, ctx, pa._num_sms(q.device))
+        default = pa._attention_config(dt, nh // nkv, batch, nkv, 1, ctx, num_sms(q.device))
         rows = []
         call = functools.partial(pa.paged_attention, q, kc, vc, tables, qsl, lens, d ** -0.5, out,
                                  max_query_len=1, max_seq_len=ctx)

@@ -21,7 +21,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kernels.paged_attention import _attention_config, _num_sms, paged_attention, paged_attention_ref
+from kernels.gpu_facts import num_sms
+from kernels.paged_attention import _attention_config, paged_attention, paged_attention_ref
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 28, 4, 128, 16
 DTYPE = torch.bfloat16
@@ -139,7 +140,7 @@ def bench_case(kind: str, seqs: list[tuple[int, int]], copy_gbs: float, l2_bytes
         NUM_KV_HEADS,
         b["max_q"],
         b["max_s"],
-        _num_sms(torch.device("cuda")),
+        num_sms(torch.device("cuda")),
     )
     row = {
         "kind": kind,

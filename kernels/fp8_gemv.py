@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.fp8_quant import FP8_BLOCK, FP8_DTYPE
+from kernels.gpu_facts import num_sms
 
 #: Smallest K slice one program streams (fewer steps would not fill the pipeline).
 MIN_K_PER_SPLIT = 512
@@ -302,11 +303,6 @@ if triton is not None:
         tl.store(out_ptr + (offs // N) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 #: Tiles (``ceil(N / block_n)``) the per-device split-K counters cover.
 MAX_TILES = 1 << 16
 
@@ -350,7 +346,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight.contiguous()
     w8a8 = x_scale is not None
-    p = gemv_plan or plan(m, n, k, _num_sms(x.device.index or 0) if x.is_cuda else 132,
+    p = gemv_plan or plan(m, n, k, num_sms(x.device),
                           W8A8_PLANS.get(block_rows(m)) if w8a8 else None)
     block_scales = weight_scale.dim() == 2
     scale = weight_scale.float().contiguous()

@@ -18,11 +18,10 @@ Source: the split-K GEMV of FasterTransformer / TensorRT-LLM's weight-only kerne
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from kernels.fp8_gemv import LaunchConfig, _tile_counters, plan, triton
+from kernels.gpu_facts import has_tma, num_sms
 
 #: Most rows ``gemv`` takes (one 16-row tile; the weight bytes, not the rows, set its time).
 MAX_ROWS = 16
@@ -36,13 +35,6 @@ if triton is not None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from kernels.fp8_gemv import _fp8_gemv_kernel
-
-
-@functools.cache
-def _gpu(device_index: int) -> tuple[int, bool]:
-    """GPU ``device_index``'s ``(SM count, whether it has TMA: Hopper or later)``."""
-    props = torch.cuda.get_device_properties(device_index)
-    return props.multi_processor_count, props.major >= 9
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -83,10 +75,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     m = x.shape[0]
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight.contiguous()
-    num_sms, has_tma = _gpu(x.device.index if x.device.index is not None else torch.cuda.current_device()) \
-        if x.is_cuda else (132, True)
-    tma = config.tma and has_tma and (k * weight.element_size()) % 16 == 0 and weight.data_ptr() % 16 == 0
-    p = plan(m, n, k, num_sms, config)
+    tma = config.tma and has_tma(x.device) and (k * weight.element_size()) % 16 == 0 and weight.data_ptr() % 16 == 0
+    p = plan(m, n, k, num_sms(x.device), config)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part = torch.empty(p.split, m, n, dtype=torch.float32, device=x.device) if p.split > 1 else out
     tiles_n = triton.cdiv(n, p.block_n)

@@ -24,7 +24,6 @@ FlashAttention-2's ``flash_attn_varlen_func`` with a block table (Dao, 2023).
 
 from __future__ import annotations
 
-import functools
 import itertools
 from typing import Any
 
@@ -32,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_AMAX, group_outputs, quantize_groups_ref
+from kernels.gpu_facts import has_tma, max_shared_memory, num_sms
 from kernels.kv_cache_write import FP8_KV_DTYPE
 
 
@@ -730,37 +730,6 @@ def _kv_descriptors(key: torch.Tensor, value: torch.Tensor, tile: int, head_dim:
     return descs[0], descs[1]
 
 
-@functools.cache
-def _gpu_facts(idx: int) -> tuple[int, bool, int]:
-    """GPU ``idx``'s ``(SM count, whether tensor descriptors lower to TMA (Hopper or
-    later), shared memory one program may take in bytes (the opt-in maximum, as Triton's
-    compiler checks it))``, read once."""
-    props = torch.cuda.get_device_properties(idx)
-    smem = triton.runtime.driver.active.utils.get_device_properties(idx)["max_shared_mem"]
-    return props.multi_processor_count, props.major >= 9, smem
-
-
-def _device_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
-def _max_shared_memory(device: torch.device) -> int | None:
-    """``_gpu_facts``' shared memory per program; None for the interpreter on CPU (no limit)."""
-    return _gpu_facts(_device_index(device))[2] if device.type == "cuda" else None
-
-
-def _has_tma(device: torch.device) -> bool:
-    """Whether tensor descriptors lower to TMA here: a Hopper or later GPU, or the
-    interpreter on CPU (which runs them as plain loads, so tests can take that path)."""
-    return _gpu_facts(_device_index(device))[1] if device.type == "cuda" else True
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # interpreter runs on CPU: any number will do
-    return _gpu_facts(_device_index(device))[0]
-
-
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
@@ -914,8 +883,8 @@ def _paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         max_seq_len = min(max_seq_len, sliding_window)
     new_ok = new_kv is not None and not sliding_window and max_query_len > 1
     head_dim_p = max(16, _next_pow2(head_dim))
-    smem = _max_shared_memory(q.device)
-    cfg = _attention_config(q.dtype, qpk, num_seqs, num_kv_heads, max_query_len, max_seq_len, _num_sms(q.device),
+    smem = max_shared_memory(q.device)
+    cfg = _attention_config(q.dtype, qpk, num_seqs, num_kv_heads, max_query_len, max_seq_len, num_sms(q.device),
                             new_kv=new_ok, head_dim=head_dim_p, smem_limit=smem)
     splits = cfg["NUM_SPLITS"]
     if splits > 1:  # shape-only allocations: fine under CUDA-graph capture (graph pool)
@@ -934,7 +903,7 @@ def _paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     scale_strides = (out_scale.stride(0), out_scale.stride(1)) if quant else (0, 0)
     use_new = new_ok and cfg["NEW_KV"] and splits == 1
     key, value = new_kv if use_new else (q, q)  # unused when not use_new
-    tma = use_new and cfg["NEW_KV_TMA"] and _has_tma(q.device)
+    tma = use_new and cfg["NEW_KV_TMA"] and has_tma(q.device)
     descs = _kv_descriptors(key, value, cfg["TILE"], head_dim) if tma else None
     args = (q, k_cache, v_cache, out, scales, part_out, part_m, part_l,
             block_tables, query_start_loc, seq_lens,
@@ -957,7 +926,7 @@ def _paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         num_stages=cfg["num_stages"],
     )
     if mixed:
-        dec = _attention_config(q.dtype, qpk, num_seqs, num_kv_heads, 1, max_seq_len, _num_sms(q.device),
+        dec = _attention_config(q.dtype, qpk, num_seqs, num_kv_heads, 1, max_seq_len, num_sms(q.device),
                                 head_dim=head_dim_p, smem_limit=smem)
         _paged_attn_kernel[(num_seqs, num_kv_heads, 1)](
             *args, *no_new, **common, BLOCK_M=dec["BLOCK_M"], BLOCK_Q=1, TILE=dec["TILE"], NUM_SPLITS=1,

@@ -214,7 +214,6 @@ ReplyMessage = TokenBatch | ErrorMessage
 AnyMessage = GenerateRequest | TokenBatch | ErrorMessage | AbortMessage | WorkerStatus
 
 
-
 def _enc_hook(obj: object) -> bytes:
     if isinstance(obj, TokenIds):
         return obj.data
