@@ -11,7 +11,8 @@ Prints and writes (``--out``): the call's wall time, the GPU's span and busy tim
 gaps over ``--min-gap-us`` by the pair of operations around them (summed ms, count,
 longest ms) (a gap after the
 sampled ids' copy to the host and before the next step's input copy is the host's time
-between two steps), the busiest kernels (ms, launches), and the wall time of the same batch shape run
+between two steps), the busiest kernels (ms, launches) and the time per kind of kernel
+(``bench/kernel_profile.py``'s ``summarize``), and the wall time of the same batch shape run
 again without the profiler (``wall_ms_unprofiled``: with ``--max-tokens 1``, the TTFT).
 ``--prefill-config`` overrides the prefill attention launch's config (A/B of a kernel
 choice in the whole engine).
@@ -24,8 +25,6 @@ Needs CUDA; dummy weights of ``--model`` (a ``DUMMY_CONFIGS`` name).
 from __future__ import annotations
 
 import argparse
-import collections
-import itertools
 import json
 import os
 import random
@@ -40,29 +39,10 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kernels.paged_attention as pa
+from bench.kernel_profile import summarize
 from shared.model_source import DUMMY_CONFIGS
 from shared.sampling import SamplingParams
 from worker.llm import LLM
-
-#: Trace event categories that occupy the GPU.
-GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
-
-
-def gaps_by_neighbours(events: list[dict], min_gap_us: float) -> tuple[collections.Counter, collections.Counter, dict]:
-    """Idle microseconds between consecutive GPU events (sorted by start), longer than
-    ``min_gap_us``, per (event before, event after) name pair: their sum, their count
-    and the longest."""
-    total: collections.Counter = collections.Counter()
-    count: collections.Counter = collections.Counter()
-    longest: dict = {}
-    for a, b in itertools.pairwise(events):
-        gap = b["ts"] - (a["ts"] + a["dur"])
-        if gap > min_gap_us:
-            key = (a["name"][:60], b["name"][:60])
-            total[key] += gap
-            count[key] += 1
-            longest[key] = max(longest.get(key, 0.0), gap)
-    return total, count, longest
 
 
 def main() -> None:
@@ -128,15 +108,6 @@ def main() -> None:
         trace = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace))
         events = json.loads(trace.read_text())["traceEvents"]
-    gpu = sorted((e for e in events if e.get("cat") in GPU_CATEGORIES and "dur" in e), key=lambda e: e["ts"])
-    span_ms = (gpu[-1]["ts"] + gpu[-1]["dur"] - gpu[0]["ts"]) / 1e3
-    busy_ms = sum(e["dur"] for e in gpu) / 1e3
-    gaps, gap_counts, gap_longest = gaps_by_neighbours(gpu, args.min_gap_us)
-    kernels: collections.Counter = collections.Counter()
-    calls: collections.Counter = collections.Counter()
-    for e in gpu:
-        kernels[e["name"][:60]] += e["dur"]
-        calls[e["name"][:60]] += 1
     res = {"date": date.today().isoformat(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "model": args.model, "quantization": args.quantization, "prompt_len": args.prompt_len,
            "num_prompts": args.num_prompts, "groups": args.groups,
@@ -145,11 +116,7 @@ def main() -> None:
            "prompt_tokens": sum(len(p) for p in batch), "cached_tokens": sum(o.num_cached_tokens for o in outs),
            "prefill_config": args.prefill_config, "engine_json": args.engine_json,
            "wall_ms": round(wall_ms, 2), "wall_ms_unprofiled": round(unprofiled_ms, 2),
-           "gpu_span_ms": round(span_ms, 2),
-           "gpu_busy_ms": round(busy_ms, 2), "gaps_ms": round(sum(gaps.values()) / 1e3, 2),
-           "gaps_by_neighbours_ms": [[a, b, round(g / 1e3, 3), gap_counts[a, b], round(gap_longest[a, b] / 1e3, 3)]
-                                     for (a, b), g in gaps.most_common(10)],
-           "busiest_ms": [[n, round(d / 1e3, 2), calls[n]] for n, d in kernels.most_common(20)]}
+           **summarize(events, args.min_gap_us, top=20)}
     print(json.dumps(res, indent=1))
     Path(args.out).write_text(json.dumps(res, indent=1))
 
