@@ -2,7 +2,8 @@
 CUDA-graph replays so host launch cost is excluded. Qwen2.5-7B head shape. Prints the
 best config per point.
 
-- decode (default): tile, warps, stages, splits at batch/context points;
+- decode (default): tile, warps, stages, splits at ``DECODE_POINTS`` (batch, context),
+  or ``--points``; each point's best config with its KV read rate (``best_gbps``);
 - ``--prefill``: the prefill launch (packed query heads or one head per program,
   ``BLOCK_M`` rows, tile, warps, stages) at ``PREFILL_POINTS``: whole prompts as the engine
   benchmark's prefill steps, a 30,000-token prompt, a long prompt's second chunk and
@@ -64,6 +65,10 @@ def time_config(cfg: dict, call: functools.partial, out: torch.Tensor, ref: torc
         pa._attention_config = base_cfg
 
 
+#: Decode points (batch, context tokens): small batches, and the 256-sequence steps of
+#: the offline short workload (256 + 32 keys) and of served prompt-heavy traffic.
+DECODE_POINTS = ((1, 330), (8, 330), (64, 330), (128, 330), (64, 2048), (1, 4096), (256, 288), (256, 1000),
+                 (256, 2000))
 #: ``--prefill`` points: (prompts, query tokens each, cached context tokens each). Whole
 #: prompts as the engine benchmark's prefill steps, one 30,000-token prompt (issue goal:
 #: its prefill in 1.0 s on an H200), a chunk of a long prompt over its first chunk, and
@@ -174,7 +179,8 @@ def main() -> None:
     ap.add_argument("--new-kv", action="store_true",
                     help="with --prefill: every config with each source of the chunk's keys (KEY_SOURCES)")
     ap.add_argument("--points", default="",
-                    help="with --prefill: PROMPTSxQUERYxCONTEXT,... instead of PREFILL_POINTS (e.g. 1x30000x0)")
+                    help="BATCHxCONTEXT,... instead of DECODE_POINTS (e.g. 256x288); with --prefill: "
+                         "PROMPTSxQUERYxCONTEXT,... instead of PREFILL_POINTS (e.g. 1x30000x0)")
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.prefill:
@@ -185,7 +191,9 @@ def main() -> None:
     nh, nkv, d, bs = 28, 4, 128, 16
     dev, dt = "cuda", torch.bfloat16
     results = []
-    for batch, ctx in ((1, 330), (8, 330), (64, 330), (128, 330), (64, 2048), (1, 4096)):
+    points = tuple(tuple(int(x) for x in p.split("x")) for p in args.points.split(",")) if args.points \
+        else DECODE_POINTS
+    for batch, ctx in points:
         blocks_per_seq = -(-ctx // bs)
         # Each call reads its own blocks, spread over a cache >> L2 so L2 does not flatter.
         num_blocks = batch * blocks_per_seq * 4
@@ -201,7 +209,7 @@ def main() -> None:
         rows = []
         call = functools.partial(pa.paged_attention, q, kc, vc, tables, qsl, lens, d ** -0.5, out,
                                  max_query_len=1, max_seq_len=ctx)
-        for tile, warps, stages, splits in itertools.product((32, 64, 128), (4, 8), (2, 3), (1, 2, 4, 8)):
+        for tile, warps, stages, splits in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (1, 2, 4, 8)):
             if splits > 1 and -(-ctx // tile) < splits:
                 continue
             cfg = dict(default, TILE=tile, num_warps=warps, num_stages=stages, NUM_SPLITS=splits)
