@@ -170,6 +170,12 @@ def prefill_sweep(default_only: bool = False, points: tuple = PREFILL_POINTS, fu
     return results
 
 
+def parse_points(text: str) -> tuple[tuple[int, ...], ...]:
+    """``--points``: comma-separated points of ``x``-separated ints (``256x288,1x4096``);
+    empty for ""."""
+    return tuple(tuple(int(x) for x in p.split("x")) for p in text.split(",")) if text else ()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
@@ -184,15 +190,13 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.prefill:
-        points = tuple(tuple(int(x) for x in p.split("x")) for p in args.points.split(",")) if args.points \
-            else PREFILL_POINTS
+        points = parse_points(args.points) or PREFILL_POINTS
         prefill_sweep(args.default_only, points, full=not args.short, new_kv=args.new_kv, out_path=args.out)
         return
     nh, nkv, d, bs = 28, 4, 128, 16
     dev, dt = "cuda", torch.bfloat16
     results = []
-    points = tuple(tuple(int(x) for x in p.split("x")) for p in args.points.split(",")) if args.points \
-        else DECODE_POINTS
+    points = parse_points(args.points) or DECODE_POINTS
     for batch, ctx in points:
         blocks_per_seq = -(-ctx // bs)
         # Each call reads its own blocks, spread over a cache >> L2 so L2 does not flatter.

@@ -26,8 +26,10 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.fp8_gemm_bench import graph_ms
 from bench.gemv_bench import SHAPES
+from shared.model_source import DUMMY_CONFIGS
 
-VOCAB = 152064
+#: The LM head's shape, ``[vocab_size, hidden_size]``, of the model whose projections SHAPES holds.
+LM_HEAD = (DUMMY_CONFIGS["Qwen2.5-7B"]["vocab_size"], DUMMY_CONFIGS["Qwen2.5-7B"]["hidden_size"])
 
 
 def main() -> None:
@@ -56,10 +58,10 @@ def main() -> None:
         entry["layer_ns_per_row"] = round(layer_us * 1e3 / m, 2)
         table.append(entry)
         print(json.dumps(entry))
-    head = torch.randn(VOCAB, 3584, device=dev, dtype=torch.bfloat16) * 0.02
+    head = torch.randn(*LM_HEAD, device=dev, dtype=torch.bfloat16) * 0.02
     lm = []
     for m in (int(r) for r in args.lm_head_rows.split(",")):
-        h = torch.randn(m, 3584, device=dev, dtype=torch.bfloat16)
+        h = torch.randn(m, LM_HEAD[1], device=dev, dtype=torch.bfloat16)
         entry = {"rows": m, "linear_then_float_us": round(graph_ms(lambda h=h: F.linear(h, head).float(),
                                                                     args.reps) * 1e3, 1)}
         try:

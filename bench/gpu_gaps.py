@@ -29,7 +29,6 @@ import json
 import os
 import random
 import sys
-import tempfile
 import time
 from datetime import date
 from pathlib import Path
@@ -39,7 +38,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kernels.paged_attention as pa
-from bench.kernel_profile import summarize
+from bench.kernel_profile import summarize, trace_events
 from shared.model_source import DUMMY_CONFIGS
 from shared.sampling import SamplingParams
 from worker.llm import LLM
@@ -104,10 +103,7 @@ def main() -> None:
     llm.generate(prompts(args.num_prompts), params)
     torch.cuda.synchronize()
     unprofiled_ms = (time.perf_counter() - t0) * 1e3
-    with tempfile.TemporaryDirectory() as tmp:
-        trace = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        events = json.loads(trace.read_text())["traceEvents"]
+    events = trace_events(prof)
     res = {"date": date.today().isoformat(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "model": args.model, "quantization": args.quantization, "prompt_len": args.prompt_len,
            "num_prompts": args.num_prompts, "groups": args.groups,

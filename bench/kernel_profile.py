@@ -61,6 +61,14 @@ def kind_of(name: str) -> str:
     return "other"
 
 
+def trace_events(prof: object) -> list[dict]:
+    """The events of a finished ``torch.profiler.profile`` as its chrome trace holds them."""
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))  # type: ignore[attr-defined]
+        return json.loads(trace.read_text())["traceEvents"]
+
+
 def gaps_by_neighbours(events: list[dict], min_gap_us: float) -> tuple[collections.Counter, collections.Counter, dict]:
     """Idle microseconds between consecutive GPU events (sorted by start), longer than
     ``min_gap_us``, per (event before, event after) name pair: their sum, their count
@@ -207,10 +215,7 @@ def main() -> int:
         generate(batch, args.max_tokens)
         sync()
         wall_ms = (time.perf_counter() - t0) * 1e3
-    with tempfile.TemporaryDirectory() as tmp:
-        trace = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        events = json.loads(trace.read_text())["traceEvents"]
+    events = trace_events(prof)
     res = {"date": date.today().isoformat(), "engine": args.engine, "device": torch.cuda.get_device_name() if cuda else "cpu",
            "torch": torch.__version__, "model_dir": args.model_dir, "num_prompts": args.num_prompts,
            "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "max_num_seqs": args.max_num_seqs,
