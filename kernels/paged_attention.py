@@ -270,6 +270,9 @@ except ImportError:  # no Triton, or one without host-side tensor descriptors
 _LOG2E = 1.4426950408889634
 _MIN_KEYS_PER_SPLIT = 128  # below this a split's fixed cost outweighs the parallelism.
 _MAX_SPLITS = 64
+#: Decode launches of at least this many programs per SM (sequences x KV heads) take
+#: short tiles and two stages instead of one long-tiled program an SM.
+_MIN_WAVES_SHORT_TILES = 3
 #: Prefill launches of at most this many sequences take one query head per program.
 _MAX_SEQS_ONE_HEAD = 16
 #: ... when their chunks read their own keys from key/value (``NEW_KV``), only from this
@@ -666,9 +669,15 @@ def _pick_config(dtype: torch.dtype, qpk: int, num_seqs: int, num_kv_heads: int,
         work = max(num_seqs * num_kv_heads, 1)
         if dtype == torch.float32:
             splits = min(-(-2 * num_sms // work), -(-max_seq_len // _MIN_KEYS_PER_SPLIT), _MAX_SPLITS)
+        elif work >= _MIN_WAVES_SHORT_TILES * num_sms:
+            # Several waves of programs: 64-key tiles, two stages (64 KiB of shared
+            # memory, three programs an SM) overlap one program's gather with the next
+            # one's (H200 sweep, bench/results/s21/attn_decode256.json: 256 x 288 keys
+            # 63.8 -> 50.6 us, 256 x 2,000 keys 266 -> 256 us, 128 x 330 keys 35.5 -> 31.8 us).
+            tile, num_stages, splits = 64, 2, 1
         elif work >= num_sms:
-            # The batch fills the GPU: no split; long tiles and a deeper pipeline hide
-            # the gather latency (H100 sweep, bench/results/attn_sweep_h100.json:
+            # The batch fills the GPU about once: no split; long tiles and a deeper
+            # pipeline hide the gather latency (H100 sweep, bench/results/attn_sweep_h100.json:
             # batch 64 x 330 keys 28.0 -> 20.2 us, batch 64 x 2048 keys 116.5 -> 97.4 us).
             tile, num_stages, splits = 128, 3, 1
         else:

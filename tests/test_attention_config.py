@@ -57,3 +57,13 @@ def test_heads_of_256_lose_stages_then_tile_length() -> None:
 def test_a_config_that_cannot_fit_comes_back_at_its_smallest() -> None:
     cfg = {"BLOCK_M": 128, "TILE": 128, "num_stages": 3, "NEW_KV_TMA": False}
     assert fit_shared_memory(cfg, 128, 2, 1) == dict(cfg, TILE=16, num_stages=1)
+
+
+@pytest.mark.parametrize(("num_seqs", "expected"), [(8, (32, 2)), (64, (128, 3)), (98, (128, 3)), (99, (64, 2)),
+                                                    (256, (64, 2))])
+def test_decode_tiles_follow_the_waves_of_programs(num_seqs: int, expected: tuple[int, int]) -> None:
+    """bfloat16 decode on 132 SMs, 4 KV heads: a split launch below one wave of
+    programs, long tiles and three stages up to three, short tiles and two stages from
+    three waves (396 programs) on (the H200 sweep in the kernel's comment)."""
+    cfg = _attention_config(torch.bfloat16, 7, num_seqs, 4, 1, 330, 132)
+    assert (cfg["TILE"], cfg["num_stages"]) == expected
