@@ -32,9 +32,11 @@ then not reused, so the follow-up hit rate is a lower bound by up to ``turn_outp
 tokens a turn; re-tokenizing the text is no better: a dummy model's random output does
 not round-trip). ``answer_ids`` in the JSON counts each source.
 
-Each point also records the cores every role used (``cpu_cores``: gateways, workers,
-Redis, this client; ``all`` near the host's core count means the host, not the stack, set
-the pace). On the CPU, sim workers (``SIM_SIZES``, ``SIM_WORKER``: 10-ms steps, 8 slots,
+The client sends from ``--client-processes`` processes (``bench/placement_clients.py``;
+default 1 for sim workers, 8 for inferq ones: a single process cannot read two GPU
+workers' streams in time). Each point also records the cores every role used
+(``cpu_cores``: gateways, workers, Redis, the client's processes; ``all`` near the host's
+core count means the host, not the stack, set the pace). On the CPU, sim workers (``SIM_SIZES``, ``SIM_WORKER``: 10-ms steps, 8 slots,
 the sim's own prefill cost per token). On the 2-core host, shared with other work (load
 average 6-10), this took 4.8 minutes, 3.1 of them starting the 7 stacks (15-43 s each);
 all four workloads took 6.5::
@@ -77,6 +79,7 @@ import numpy as np
 from bench.host import cpu_description
 from bench.loadgen.client import first_model_id
 from bench.model_folder import build_model_folder, export_tokenizer
+from bench.placement_clients import ClientPool
 from bench.placement_stack import Stack, StackConfig, cache_stats
 from bench.placement_workloads import (
     WORKLOADS,
@@ -110,6 +113,9 @@ SIM_SIZES = Sizes(burst_requests=64, burst_prompt_len=1024, burst_output_len=16,
 #: tokens, more than any scaled-down workload holds, so one worker evicts nothing).
 SIM_WORKER = {"sim_step_time_ms": 10.0, "max_num_seqs": 8, "num_kv_blocks": 8192}
 DEFAULT_WORKERS = {"sim": (1, 2, 8), "inferq": (1, 2)}
+#: Load client processes: one on the small CPU host, where the sim stack leaves it time
+#: and more would take cores from the stack; eight beside GPU workers (bench/placement_clients.py).
+DEFAULT_CLIENT_PROCESSES = {"sim": 1, "inferq": 8}
 #: Headline of each workload: (key in its result, "time" (lower is better) or "rate"),
 #: and the key of its hit rate.
 HEADLINES = {"burst": ("wall_s", "time", "hit_rate"), "multi_turn": ("follow_up_wall_s", "time", "follow_up_hit_rate"),
@@ -128,6 +134,7 @@ class BenchSettings:
     sizes: Sizes
     session_ids: bool = False  # multi_turn requests carry X-Session-ID: user-<u>
     seed: int = 0
+    client_processes: int = 1  # load client processes (bench/placement_clients.py)
 
     def __post_init__(self) -> None:
         assert self.worker_counts and min(self.worker_counts) >= 1, "worker counts must be at least 1"
@@ -135,6 +142,7 @@ class BenchSettings:
         assert self.policies and set(self.policies) <= set(DISPATCH_POLICIES), \
             f"policies: some of {', '.join(DISPATCH_POLICIES)}"
         assert self.workloads and set(self.workloads) <= set(WORKLOADS), f"workloads: some of {', '.join(WORKLOADS)}"
+        assert self.client_processes >= 1, "client processes: at least 1"
         devices, tp = self.stack.cuda_devices, self.stack.tensor_parallel_size
         assert not devices or len(devices) >= tp * max(self.worker_counts), \
             f"--cuda-devices names {len(devices)} devices for up to {max(self.worker_counts)} workers of {tp} GPUs"
@@ -154,6 +162,7 @@ class Run:
     stack: Stack
     model: str
     settings: BenchSettings
+    pool: ClientPool | None = None  # sends the phases when the client has several processes
     answer_sources: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -167,18 +176,27 @@ class Run:
     async def phase(self, requests: Sequence[Sent], concurrency: int = 0) -> tuple[dict[str, Any], list[Completion]]:
         """Send ``requests``; what the client saw and what the workers and gateways counted."""
         before = await self.stack.snapshot(self.client)
-        done, wall_s = await send_all(self.client, self.urls, self.model, requests, concurrency)
+        done, wall_s = await self.send(requests, concurrency)
         after = await self.stack.snapshot(self.client)
         return {**summarize(requests, done, wall_s), **cache_stats(before, after)}, done
+
+    async def send(self, requests: Sequence[Sent], concurrency: int = 0) -> tuple[list[Completion], float]:
+        """``send_all`` from this process, or over the pool when there is one."""
+        if self.pool is None:
+            return await send_all(self.client, self.urls, self.model, requests, concurrency)
+        return await self.pool.send_all(self.urls, self.model, requests, concurrency)
 
     def answer_ids(self, prompt: list[int], done: Completion, rng: np.random.Generator) -> list[int]:
         """The token ids a request generated (module docstring: from the stream, by the sim's
         echo rule, else a stand-in of the same length)."""
         n = done.output.output_tokens if done.output.success else 0
+        sim = self.settings.stack.backend == "sim"
+        echo = [prompt[i % len(prompt)] for i in range(n)] if sim else []
         if done.token_ids is not None and len(done.token_ids) == n:
-            source, ids = "stream", done.token_ids
-        elif self.settings.stack.backend == "sim":
-            source, ids = "sim_echo", [prompt[i % len(prompt)] for i in range(n)]
+            # A sim answer that is not its prompt's echo came back for another request.
+            source, ids = "stream" if not sim or done.token_ids == echo else "stream_not_its_prompt", done.token_ids
+        elif sim:
+            source, ids = "sim_echo", echo
         else:
             source, ids = "stand_in", random_ids(rng, n)
         self.answer_sources[source] = self.answer_sources.get(source, 0) + 1
@@ -244,19 +262,30 @@ async def run_point(settings: BenchSettings, stack: Stack) -> dict[str, Any]:
                       sizes.shared_concurrency or sizes.groups * sizes.prompts_per_group)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     timeout = httpx.Timeout(settings.stack.request_timeout_s)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
-        model = await first_model_id(client, stack.gateway_urls[0], {})
-        run = Run(client, stack, model, settings)
-        rng = np.random.default_rng([settings.seed, len(WORKLOADS)])
-        warmup = [Sent(random_ids(rng, WARMUP_PROMPT_LEN), WARMUP_OUTPUT_LEN) for _ in range(2 * stack.num_workers)]
-        warm, _ = await send_all(client, run.urls, model, warmup)
-        failed = [c.output.error for c in warm if not c.output.success]
-        if failed:
-            raise RuntimeError(f"warm-up failed: {failed[0]}")
-        results = {}
-        for workload in settings.workloads:
-            results[workload] = await RUNNERS[workload](run)
-            print_workload(stack.num_workers, stack.policy, workload, results[workload])
+    pool = None
+    if settings.client_processes > 1:
+        pool = ClientPool(settings.client_processes, concurrency, settings.stack.request_timeout_s)
+        stack.client_pids = pool.pids
+    try:
+        async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
+            model = await first_model_id(client, stack.gateway_urls[0], {})
+            run = Run(client, stack, model, settings, pool)
+            rng = np.random.default_rng([settings.seed, len(WORKLOADS)])
+            # Enough warm-up requests that every client process opens a connection.
+            num_warm = max(2 * stack.num_workers, settings.client_processes)
+            warmup = [Sent(random_ids(rng, WARMUP_PROMPT_LEN), WARMUP_OUTPUT_LEN) for _ in range(num_warm)]
+            warm, _ = await run.send(warmup)
+            failed = [c.output.error for c in warm if not c.output.success]
+            if failed:
+                raise RuntimeError(f"warm-up failed: {failed[0]}")
+            results = {}
+            for workload in settings.workloads:
+                results[workload] = await RUNNERS[workload](run)
+                print_workload(stack.num_workers, stack.policy, workload, results[workload])
+    finally:
+        if pool is not None:
+            pool.close()
+            stack.client_pids = []
     return results
 
 
@@ -421,6 +450,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchSetting
         ap.add_argument("--" + f.name.replace("_", "-"), type=type(f.default),
                         help=f"sim: {getattr(SIM_SIZES, f.name)}; inferq: {f.default}")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--client-processes", type=int,
+                    help="load client processes (sim: 1; inferq: 8): one Python process cannot read a GPU "
+                         "stack's streams in time (bench/placement_clients.py)")
     ap.add_argument("--start-timeout-s", type=float, default=600.0)
     ap.add_argument("--request-timeout-s", type=float, default=600.0)
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/inferq-placement-bench"))
@@ -452,7 +484,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchSetting
             tensor_parallel_size=args.tensor_parallel_size, torch_threads=threads, env=env,
             start_timeout_s=args.start_timeout_s, request_timeout_s=args.request_timeout_s, log_dir=args.log_dir)
         settings = BenchSettings(stack=stack, worker_counts=counts, policies=args.policies, workloads=args.workloads,
-                                 sizes=sizes, session_ids=args.session_ids, seed=args.seed)
+                                 sizes=sizes, session_ids=args.session_ids, seed=args.seed,
+                                 client_processes=args.client_processes or DEFAULT_CLIENT_PROCESSES[args.backend])
     except (AssertionError, ValueError) as exc:
         ap.error(str(exc))
     return args, settings, env

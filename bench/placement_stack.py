@@ -115,6 +115,7 @@ class Stack:
         self.workers: list[subprocess.Popen[bytes]] = []
         self.gateway_urls: list[str] = []
         self.metrics_urls: dict[str, str] = {}  # worker id -> its /metrics
+        self.client_pids: list[int] = []  # the load client's other processes (ClientPool), counted as "client"
 
     def _spawn(self, command: str, argv: list[str], name: str, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
         assert self.redis is not None
@@ -186,16 +187,20 @@ class Stack:
 
     def cpu_s(self) -> dict[str, float]:
         """CPU seconds used so far by each process (``gateway-0``, ``worker-3``, ``redis``)
-        and by this one (``client``); a process that is gone counts 0."""
+        and by the load client (``client``: this process and ``client_pids``); a process
+        that is gone counts 0."""
         procs = {f"gateway-{g}": p.pid for g, p in enumerate(self.gateways)}
         procs |= {f"worker-{i}": p.pid for i, p in enumerate(self.workers)}
         procs["redis"] = self.redis_pid
+        procs |= {f"client-{i}": pid for i, pid in enumerate(self.client_pids)}
         out = {"client": time.process_time()}
         for name, pid in procs.items():
             try:
                 out[name] = cpu_s(pid)
             except (FileNotFoundError, ValueError):
                 out[name] = 0.0
+        for i in range(len(self.client_pids)):
+            out["client"] += out.pop(f"client-{i}")
         return out
 
     def exited(self) -> str | None:

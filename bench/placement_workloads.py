@@ -186,23 +186,36 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str,
     return Completion(out, num_prompt_tokens, ids if out.success and ids else None)
 
 
+async def send_timed(client: httpx.AsyncClient, urls: Sequence[str], model: str, requests: Sequence[Sent],
+                     concurrency: int = 0, indices: Sequence[int] | None = None
+                     ) -> tuple[list[Completion], float, float]:
+    """Send ``requests``, request ``j`` to ``urls[indices[j] % len(urls)]`` (``indices``
+    default: ``0, 1, ...``), at most ``concurrency`` at once (0: all at once); returns
+    their completions in order and the first send's and last end's
+    ``time.perf_counter()``, seconds."""
+    semaphore = asyncio.Semaphore(concurrency) if concurrency else None
+    where = range(len(requests)) if indices is None else indices
+
+    async def one(j: int, request: Sent) -> Completion:
+        body = request_body(model, request.prompt, request.max_tokens)
+        url = urls[where[j] % len(urls)]
+        if semaphore is None:
+            return await stream_completion(client, url, body, request.headers)
+        async with semaphore:
+            return await stream_completion(client, url, body, request.headers)
+
+    start_s = time.perf_counter()
+    done = await asyncio.gather(*(one(j, r) for j, r in enumerate(requests)))
+    return list(done), start_s, time.perf_counter()
+
+
 async def send_all(client: httpx.AsyncClient, urls: Sequence[str], model: str, requests: Sequence[Sent],
                    concurrency: int = 0) -> tuple[list[Completion], float]:
     """Send ``requests`` round-robin over ``urls``, at most ``concurrency`` at once (0: all
     at once); returns their completions in order and the wall time from the first send
-    to the last end, seconds."""
-    semaphore = asyncio.Semaphore(concurrency) if concurrency else None
-
-    async def one(i: int, request: Sent) -> Completion:
-        body = request_body(model, request.prompt, request.max_tokens)
-        if semaphore is None:
-            return await stream_completion(client, urls[i % len(urls)], body, request.headers)
-        async with semaphore:
-            return await stream_completion(client, urls[i % len(urls)], body, request.headers)
-
-    start_s = time.perf_counter()
-    done = await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
-    return list(done), time.perf_counter() - start_s
+    to the last end, seconds (``send_timed``)."""
+    done, start_s, end_s = await send_timed(client, urls, model, requests, concurrency)
+    return done, end_s - start_s
 
 
 def summarize(requests: Sequence[Sent], done: Sequence[Completion], wall_s: float) -> dict[str, Any]:
@@ -219,6 +232,8 @@ def summarize(requests: Sequence[Sent], done: Sequence[Completion], wall_s: floa
     return {"wall_s": wall_s, "sent": len(requests), "completed": m.completed, "failed": m.failed,
             "prompt_tokens_sent": sum(len(r.prompt) for r in requests),
             "prompt_tokens_usage": sum(c.num_prompt_tokens for _, c in ok),
+            # Completions whose usage counts another prompt's length than their request's.
+            "usage_mismatches": sum(c.num_prompt_tokens != len(r.prompt) for r, c in ok),
             "output_tokens": m.total_output_tokens,
             "output_tokens_expected": sum(r.max_tokens for r in requests),
             "output_tok_s": m.total_output_tokens / wall_s if wall_s > 0 else 0.0,

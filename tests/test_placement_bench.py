@@ -138,7 +138,11 @@ def test_tensor_parallel_workers_get_their_own_gpus() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_sim_run_writes_sane_result(tmp_path: Path) -> None:
+@pytest.mark.parametrize("client_processes", [1, 3])
+def test_sim_run_writes_sane_result(tmp_path: Path, client_processes: int) -> None:
+    """End to end, the load client in this process and in a pool of three (whose
+    completions must come back in the requests' order: the follow-ups' hit rate below
+    needs each answer appended to its own conversation)."""
     out, logs = tmp_path / "placement.json", tmp_path / "logs"
     sizes = [f"--{k.replace('_', '-')}={v}" for k, v in (
         ("burst_requests", 4), ("burst_prompt_len", 64), ("burst_output_len", 4), ("users", 4), ("rounds", 2),
@@ -147,11 +151,13 @@ def test_sim_run_writes_sane_result(tmp_path: Path) -> None:
         ("throughput_requests", 6),
         ("throughput_concurrency", 3), ("throughput_input_len", 32), ("throughput_output_len", 4))]
     code = placement_bench.main(["--backend", "sim", "--workers", "2", "--policies", "cache_aware",
-                                 "--sim-step-time-ms", "2", *sizes, "--log-dir", str(logs), "--out", str(out)])
+                                 "--sim-step-time-ms", "2", *sizes, "--log-dir", str(logs), "--out", str(out),
+                                 "--client-processes", str(client_processes)])
     assert code == 0, "\n".join(log.read_text()[-2000:] for log in logs.glob("*.log"))
     data = json.loads(out.read_text())
     assert data["command"].startswith("python -m bench.placement_bench --backend sim")
     assert data["date"] and data["host"] and data["device"] and data["settings"]["workloads"] == list(WORKLOADS)
+    assert data["settings"]["client_processes"] == client_processes
     assert [(p["num_workers"], p["policy"]) for p in data["points"]] == [(2, "cache_aware")]
     for p in data["points"]:
         assert p["startup_s"] > 0 and set(p["exit_codes"].values()) == {0}
@@ -164,11 +170,13 @@ def test_sim_run_writes_sane_result(tmp_path: Path) -> None:
                 assert r["completed"] == r["sent"] and r["failed"] == 0 and r["errors"] == []
                 assert r["output_tokens"] == r["output_tokens_expected"]
                 assert r["cache_queries"] == r["prompt_tokens_sent"] == r["prompt_tokens_usage"]
+                assert r["usage_mismatches"] == 0  # each completion is its own request's
                 assert 0 <= r["cache_hits"] <= r["cache_queries"]
                 assert sum(sum(v.values()) for v in r["placements"].values()) == r["sent"]
                 assert set(r["workers"]) == {f"w{i}" for i in range(n)}
                 assert sum(r["worker_shares"].values()) == pytest.approx(1.0)
                 assert r["wall_s"] > 0 and r["output_tok_s"] == pytest.approx(r["output_tokens"] / r["wall_s"])
+                assert r["cpu_cores"]["client"] > 0
         burst, multi, shared = (p["workloads"][k] for k in ("burst", "multi_turn", "shared_prefix"))
         assert burst["hit_rate"] == 0.0  # random prompts share no block
         assert len(multi["rounds"]) == 2 and multi["rounds"][0]["hit_rate"] == 0.0
