@@ -11,6 +11,8 @@
 #                          (bench/model_folder.py), then the GPU's name and memory in use;
 #   gpu_step NAME S CMD    CMD under a limit of S seconds, its output in $OUT/NAME.log,
 #                          then its exit status, seconds and last 25 lines;
+#   gpu_pack NAME          everything under $OUT into one $OUT/NAME.tgz: the device returns at
+#                          most 8 files a call, and a call of several runs writes more;
 #   VLLM_ENV               the variables that vLLM's processes take (../shared/gpu/VLLM.md):
 #                          `env $VLLM_ENV python3 -P ...`.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -36,4 +38,10 @@ gpu_step() {
     rc=$?
     echo "== $name rc=$rc $(( $(date +%s) - t0 ))s"
     tail -n 25 "$OUT/$name.log"
+}
+
+gpu_pack() {
+    local name=$1
+    tar czf "/tmp/$name.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/$name.tgz" "$OUT/" \
+        && echo "== packed $OUT/$name.tgz"
 }
