@@ -1,7 +1,7 @@
 """inferq against vLLM on one GPU, in one command: the same workloads through inferq's
 offline engine, vLLM's offline ``LLM``, ``inferq serve`` and vLLM's OpenAI server, the
-served ones driven by the same load client, with the GPU's utilization and memory
-sampled every 100 ms (``bench/gpu_sampler.py``) beside each run.
+served ones driven by the same load client, with the GPU's utilization, memory, power
+draw and SM clock sampled every 100 ms (``bench/gpu_sampler.py``) beside each run.
 
 Workloads (``--workloads``; sizes and method: ``bench/side_by_side_workloads.py``):
 ``decode_b1`` (offline: ms per output token), ``short``, ``lognormal``, ``shared_prefix``
@@ -42,7 +42,7 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-from bench.gpu_sampler import GPUSample, GPUSampler, trace_columns
+from bench.gpu_sampler import GPUSample, GPUSampler, busy_power_clock, trace_columns
 from bench.host import cpu_description
 from bench.model_folder import build_model_folder
 from bench.procs import ROOT
@@ -116,8 +116,9 @@ def inferq_commit() -> str:
 
 def gpu_figures(sampler: GPUSampler, samples: list[GPUSample], start_s: float, end_s: float) -> dict[str, Any]:
     """The GPU trace of one run (from ``TRACE_MARGIN_S`` before ``start_s`` to as long after
-    ``end_s``; times after ``start_s``) with the mean utilization and peak memory inside
-    the run; ``reason`` instead where there is no trace."""
+    ``end_s``; times after ``start_s``) with the mean utilization, peak memory and, while
+    busy, the median power draw and SM clock inside the run (``busy_power_clock``);
+    ``reason`` instead where there is no trace."""
     if not samples:
         return {"reason": sampler.reason or "no sample"}
     inside = [s for s in samples if start_s <= s.t_s <= end_s]
@@ -126,6 +127,7 @@ def gpu_figures(sampler: GPUSampler, samples: list[GPUSample], start_s: float, e
     if inside:
         out["util_mean_pct"] = sum(s.util_pct for s in inside) / len(inside)
         out["mem_max_bytes"] = max(s.mem_used_bytes for s in inside)
+        out |= busy_power_clock(inside)
     if sampler.reason:
         out["reason"] = sampler.reason
     return out

@@ -26,6 +26,9 @@ FIGURES: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
                      ("long_prompt", "short_itl_during_prefill_ms", "median")),
                     ("p99 ITL of the short streams while they prefill ms",
                      ("long_prompt", "short_itl_during_prefill_ms", "p99"))),
+    # Every run, where NVML reports them (bench/gpu_sampler.py, busy_power_clock).
+    "gpu": (("GPU power while busy, median W", ("gpu", "busy_power_median_w")),
+            ("SM clock while busy, median MHz", ("gpu", "busy_sm_clock_median_mhz"))),
 }
 #: The pair compared in each mode: (inferq's system, vLLM's).
 PAIRS = {OFFLINE: ("inferq-offline", "vllm-offline"), SERVE: ("inferq-serve", "vllm-serve")}
@@ -34,10 +37,10 @@ LINESTYLES = {OFFLINE: "-", SERVE: "--"}
 
 
 def figures_for(workload: str, mode: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """The figures compared for ``workload`` in ``mode``."""
+    """The figures compared for ``workload`` in ``mode``, the GPU's power and clock last."""
     if mode == OFFLINE:
-        return FIGURES["decode"] if workload == "decode_b1" else FIGURES[OFFLINE]
-    return FIGURES[SERVE] + (FIGURES["long_prompt"] if workload == "long_prompt" else ())
+        return (FIGURES["decode"] if workload == "decode_b1" else FIGURES[OFFLINE]) + FIGURES["gpu"]
+    return FIGURES[SERVE] + (FIGURES["long_prompt"] if workload == "long_prompt" else ()) + FIGURES["gpu"]
 
 
 def value_at(run: dict[str, Any] | None, path: tuple[str, ...]) -> float | None:

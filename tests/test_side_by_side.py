@@ -12,6 +12,7 @@ import json
 import logging
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 
 from bench import side_by_side
-from bench.gpu_sampler import GPUSampler, trace_columns
+from bench.gpu_sampler import GPUSample, GPUSampler, busy_power_clock, trace_columns
 from bench.loadgen.client import RequestOutput
 from bench.side_by_side_report import comparison_rows, markdown_table, number, ratios
 from bench.side_by_side_workloads import (
@@ -202,7 +203,38 @@ def test_sampler_on_a_machine_without_a_gpu() -> None:
     assert sampler.stop() == [] and sampler.reason and sampler.device_name is None
     with pytest.raises(ValueError, match="interval_s"):
         GPUSampler(interval_s=0)
-    assert trace_columns([], 0.0) == {"t_s": [], "util_pct": [], "mem_used_bytes": []}
+    assert trace_columns([], 0.0) == {"t_s": [], "util_pct": [], "mem_used_bytes": [], "power_w": [],
+                                      "sm_clock_mhz": []}
+
+
+def test_power_and_clock_while_busy() -> None:
+    """Medians over the busy samples that report both; idle and unreported ones left out;
+    the columns keep None where a GPU did not report."""
+    samples = [GPUSample(0.0, 0, 10, 80.0, 345), GPUSample(0.1, 95, 10, 690.0, 1590),
+               GPUSample(0.2, 100, 10, 700.5, 1500), GPUSample(0.3, 99, 10, 650.0, 1980),
+               GPUSample(0.4, 100, 10, None, None)]
+    assert busy_power_clock(samples) == {"busy_power_median_w": 690.0, "busy_sm_clock_median_mhz": 1590}
+    assert busy_power_clock(samples[:1]) == {} and busy_power_clock(samples[4:]) == {}
+    cols = trace_columns(samples, 0.0, 0.3, None)
+    assert cols["power_w"] == [650.0, None] and cols["sm_clock_mhz"] == [1980, None]
+    res = {"settings": {"model": "m"}, "date": "d", "command": "c",
+           "workloads": {"short": {"runs": {"inferq-offline": {"output_tok_s": 1.0, "gpu": busy_power_clock(samples)},
+                                            "vllm-offline": {"output_tok_s": 1.0}}}}}
+    rows = {row["figure"]: row for row in comparison_rows(res)}
+    assert rows["GPU power while busy, median W"]["inferq"] == 690.0
+    assert rows["SM clock while busy, median MHz"]["vllm"] is None
+
+
+@pytest.mark.cuda
+def test_sampler_on_a_gpu_reads_power_and_clock() -> None:
+    if not nvml_works():
+        pytest.skip("no GPU answers NVML here")
+    sampler = GPUSampler(interval_s=0.01).start()
+    time.sleep(0.2)
+    samples = sampler.stop()
+    assert samples and sampler.reason is None and sampler.device_name
+    assert all(s.power_w is not None and 10 < s.power_w < 2000 for s in samples)
+    assert all(s.sm_clock_mhz is not None and 100 <= s.sm_clock_mhz <= 4000 for s in samples)
 
 
 # -- the vLLM child stays importable without inferq --------------------------------------------
