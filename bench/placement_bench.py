@@ -33,8 +33,8 @@ tokens a turn; re-tokenizing the text is no better: a dummy model's random outpu
 not round-trip). ``answer_ids`` in the JSON counts each source.
 
 The client sends from ``--client-processes`` processes (``bench/placement_clients.py``;
-default 1 for sim workers, 8 for inferq ones: a single process cannot read two GPU
-workers' streams in time). Each point also records the cores every role used
+default 8 for inferq workers, 1 for sim workers and with ``--device cpu``: a single
+process cannot read two GPU workers' streams in time). Each point also records the cores every role used
 (``cpu_cores``: gateways, workers, Redis, the client's processes; ``all`` near the host's
 core count means the host, not the stack, set the pace). On the CPU, sim workers (``SIM_SIZES``, ``SIM_WORKER``: 10-ms steps, 8 slots,
 the sim's own prefill cost per token). On the 2-core host, shared with other work (load
@@ -113,9 +113,10 @@ SIM_SIZES = Sizes(burst_requests=64, burst_prompt_len=1024, burst_output_len=16,
 #: tokens, more than any scaled-down workload holds, so one worker evicts nothing).
 SIM_WORKER = {"sim_step_time_ms": 10.0, "max_num_seqs": 8, "num_kv_blocks": 8192}
 DEFAULT_WORKERS = {"sim": (1, 2, 8), "inferq": (1, 2)}
-#: Load client processes: one on the small CPU host, where the sim stack leaves it time
-#: and more would take cores from the stack; eight beside GPU workers (bench/placement_clients.py).
-DEFAULT_CLIENT_PROCESSES = {"sim": 1, "inferq": 8}
+#: Load client processes beside GPU workers (bench/placement_clients.py). Sim workers and
+#: inferq on CPU get one: their token rates leave one process time, and more would take
+#: cores from the stack on a small host.
+GPU_CLIENT_PROCESSES = 8
 #: Headline of each workload: (key in its result, "time" (lower is better) or "rate"),
 #: and the key of its hit rate.
 HEADLINES = {"burst": ("wall_s", "time", "hit_rate"), "multi_turn": ("follow_up_wall_s", "time", "follow_up_hit_rate"),
@@ -451,8 +452,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchSetting
                         help=f"sim: {getattr(SIM_SIZES, f.name)}; inferq: {f.default}")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--client-processes", type=int,
-                    help="load client processes (sim: 1; inferq: 8): one Python process cannot read a GPU "
-                         "stack's streams in time (bench/placement_clients.py)")
+                    help="load client processes (sim and --device cpu: 1; inferq: 8): one Python process "
+                         "cannot read a GPU stack's streams in time (bench/placement_clients.py)")
     ap.add_argument("--start-timeout-s", type=float, default=600.0)
     ap.add_argument("--request-timeout-s", type=float, default=600.0)
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/inferq-placement-bench"))
@@ -485,7 +486,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, BenchSetting
             start_timeout_s=args.start_timeout_s, request_timeout_s=args.request_timeout_s, log_dir=args.log_dir)
         settings = BenchSettings(stack=stack, worker_counts=counts, policies=args.policies, workloads=args.workloads,
                                  sizes=sizes, session_ids=args.session_ids, seed=args.seed,
-                                 client_processes=args.client_processes or DEFAULT_CLIENT_PROCESSES[args.backend])
+                                 client_processes=args.client_processes
+                                 or (GPU_CLIENT_PROCESSES if not sim and args.device != "cpu" else 1))
     except (AssertionError, ValueError) as exc:
         ap.error(str(exc))
     return args, settings, env
