@@ -34,10 +34,11 @@ not round-trip). ``answer_ids`` in the JSON counts each source.
 
 The client sends from ``--client-processes`` processes (``bench/placement_clients.py``;
 default 8 for inferq workers, 1 for sim workers and with ``--device cpu``: a single
-process cannot read two GPU workers' streams in time). Each point also records the cores every role used
-(``cpu_cores``: gateways, workers, Redis, the client's processes; ``all`` near the host's
-core count means the host, not the stack, set the pace). On the CPU, sim workers (``SIM_SIZES``, ``SIM_WORKER``: 10-ms steps, 8 slots,
-the sim's own prefill cost per token). On the 2-core host, shared with other work (load
+process cannot read two GPU workers' streams in time). Each point also records the cores
+every role used (``cpu_cores``: gateways, workers, Redis, the client's processes; ``all``
+near the host's core count means the host, not the stack, set the pace). On the CPU,
+sim workers (``SIM_SIZES``, ``SIM_WORKER``: 10-ms steps, 8 slots, the sim's own prefill
+cost per token). On the 2-core host, shared with other work (load
 average 6-10), this took 4.8 minutes, 3.1 of them starting the 7 stacks (15-43 s each);
 all four workloads took 6.5::
 

@@ -10,9 +10,8 @@ A ``ClientPool`` starts its processes once per point (spawned, each with its own
 loop and ``httpx.AsyncClient``, connections kept between phases). For each phase every
 process takes every ``P``-th request (request ``i`` still goes to gateway ``i mod G``, as
 with one process) and a share of the concurrency cap (``P`` = the processes, or the cap
-where it is lower), waits at a barrier until all have
-their part, sends it, and reports its completions with its start and end on the
-system-wide monotonic clock (``time.perf_counter`` on Linux), so the phase's wall time is
+where it is lower), waits at a barrier until all have their part, sends it, and reports
+its completions with its start and end on the system-wide monotonic clock (``time.perf_counter`` on Linux), so the phase's wall time is
 the latest end minus the earliest start. ``bench/loadgen/multiproc.py`` does the same for
 one run of the load generator; a pool is kept here because a multi-turn point has a
 phase per round.
@@ -31,10 +30,10 @@ import httpx
 
 from bench.loadgen.multiproc import concurrency_shares
 from bench.placement_workloads import Completion, Sent, send_timed
-from bench.procs import cpu_s
 
-#: Longest wait for one phase's parts to come back, s (the stack's request timeout
-#: bounds each request; this bounds a pool whose process died without a word).
+#: How often, s, a phase waiting for its parts checks that every client process lives
+#: (the stack's request timeout bounds each request; this catches a process that died
+#: without a word).
 RESULT_POLL_S = 5.0
 
 
@@ -80,16 +79,6 @@ class ClientPool:
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs if p.pid is not None]
-
-    def cpu_s(self) -> float:
-        """CPU seconds the pool's processes have used so far (a process that is gone counts 0)."""
-        total = 0.0
-        for pid in self.pids:
-            try:
-                total += cpu_s(pid)
-            except (FileNotFoundError, ValueError):
-                pass
-        return total
 
     async def send_all(self, urls: Sequence[str], model: str, requests: Sequence[Sent],
                        concurrency: int = 0) -> tuple[list[Completion], float]:

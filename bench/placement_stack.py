@@ -192,15 +192,8 @@ class Stack:
         procs = {f"gateway-{g}": p.pid for g, p in enumerate(self.gateways)}
         procs |= {f"worker-{i}": p.pid for i, p in enumerate(self.workers)}
         procs["redis"] = self.redis_pid
-        procs |= {f"client-{i}": pid for i, pid in enumerate(self.client_pids)}
-        out = {"client": time.process_time()}
-        for name, pid in procs.items():
-            try:
-                out[name] = cpu_s(pid)
-            except (FileNotFoundError, ValueError):
-                out[name] = 0.0
-        for i in range(len(self.client_pids)):
-            out["client"] += out.pop(f"client-{i}")
+        out = {name: _cpu_s_or_zero(pid) for name, pid in procs.items()}
+        out["client"] = time.process_time() + sum(_cpu_s_or_zero(pid) for pid in self.client_pids)
         return out
 
     def exited(self) -> str | None:
@@ -237,6 +230,14 @@ def scrape(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
         return parse_samples(httpx.get(url, timeout=5, trust_env=False).text)
     except httpx.HTTPError:
         return {}
+
+
+def _cpu_s_or_zero(pid: int) -> float:
+    """``bench.procs.cpu_s``, 0 for a process that is gone."""
+    try:
+        return cpu_s(pid)
+    except (FileNotFoundError, ValueError):
+        return 0.0
 
 
 def cpu_cores(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
